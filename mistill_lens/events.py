@@ -1,0 +1,320 @@
+"""Decision events and decision margins.
+
+A decision event is one token of the model's own tokenization where it picks between a chosen
+token and a competing token of the same kind. Events are built (a) from the task's gold character
+spans through any fast tokenizer's offsets, or (b) from the model's own greedy generation.
+
+Every intervention runs on an `EventBatch`: one row per event, holding that event's context up to
+the position that predicts the event token. One event per row keeps effects independent (an
+ablation at one event's position can never leak into another event's margin) and lets one
+backward pass give every event its own gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+EVENT_KINDS: tuple[str, ...] = ("region", "within", "near_miss")
+NULL_KIND = "null"
+POSITION_CLASSES: tuple[str, ...] = (*EVENT_KINDS, NULL_KIND)
+
+
+@dataclass(frozen=True)
+class DecisionEvent:
+    """One decision: at token `position` the model emits `chosen_token` instead of the contrast.
+
+    `position` indexes the decided token in the example's tokens; the logits that decide it sit at
+    `predict_position` (the position before). `region` is the text of the region this decision
+    belongs to (for a within event "I21"), used to find that region's candidate-list entries.
+    """
+
+    example_id: int
+    kind: str
+    position: int
+    chosen_token: int
+    contrast_tokens: tuple[int, ...]
+    chosen: str = ""
+    contrast: str = ""
+    char_start: int = -1
+    char_end: int = -1
+    mention: int = 0
+    region: str = ""
+
+    @property
+    def predict_position(self) -> int:
+        return self.position - 1
+
+
+@dataclass
+class EncodedExample:
+    """An example in the model's own tokenization, with its events."""
+
+    example_id: int
+    text: str
+    prompt_chars: int
+    tokens: list[int]
+    offsets: list[tuple[int, int]]
+    events: list[DecisionEvent] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Number of tokens that lie entirely inside the prompt."""
+        return sum(1 for _, end in self.offsets if end <= self.prompt_chars)
+
+    def token_positions_of_chars(self, start: int, end: int) -> list[int]:
+        """Token indices whose character span overlaps [start, end)."""
+        return [i for i, (s, e) in enumerate(self.offsets) if s < end and e > start]
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj[name] if isinstance(obj, Mapping) else getattr(obj, name)
+
+
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    encoding = tokenizer(text, return_offsets_mapping=True)
+    return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
+
+
+def _departure_token(tokenizer, text: str, start: int, chosen: str, contrast: str) -> tuple[int, int, int]:
+    """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, and the two
+    tokens there. Why this way: it is where the model decides, in any tokenizer (a region that is one
+    token for the teacher may be three for a student, and only the last of them may differ)."""
+    chosen_ids, _ = _encode(tokenizer, text[:start] + chosen)
+    contrast_ids, _ = _encode(tokenizer, text[:start] + contrast)
+    for index, (a, b) in enumerate(zip(chosen_ids, contrast_ids)):
+        if a != b:
+            return index, a, b
+    raise ValueError(
+        f"chosen {chosen!r} and contrast {contrast!r} tokenize identically after the prefix: no decision to score"
+    )
+
+
+def _region_of(event: Any, events: Sequence[Any]) -> str:
+    """The region text a decision belongs to: itself for a region event, else the region event that
+    ends where this one starts (or, failing that, the last region event before it)."""
+    if _field(event, "kind") == "region":
+        return _field(event, "chosen")
+    start = _field(event, "start")
+    regions = [e for e in events if _field(e, "kind") == "region" and _field(e, "end") <= start]
+    if not regions:
+        return ""
+    adjacent = [e for e in regions if _field(e, "end") == start]
+    return _field((adjacent or regions)[-1], "chosen")
+
+
+def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExample:
+    """Place the task's gold events (character spans into `prompt + output`) on `tokenizer`'s tokens.
+
+    `example` has `prompt`, `output` and `events` (each with `kind`, `start`, `end`, `chosen`,
+    `contrast`, `mention`), as dicts or attributes.
+    """
+    prompt, output = _field(example, "prompt"), _field(example, "output")
+    text = prompt + output
+    tokens, offsets = _encode(tokenizer, text)
+    gold_events = list(_field(example, "events"))
+    events = []
+    for gold in gold_events:
+        kind, start, end = _field(gold, "kind"), _field(gold, "start"), _field(gold, "end")
+        chosen, contrast = _field(gold, "chosen"), _field(gold, "contrast")
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {kind!r}; expected one of {EVENT_KINDS}")
+        if not (0 <= start < end <= len(text)) or text[start:end] != chosen:
+            raise ValueError(
+                f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
+            )
+        index, chosen_token, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
+        if index >= len(tokens) or tokens[:index + 1] != _encode(tokenizer, text[:start] + chosen)[0][:index + 1]:
+            raise ValueError(
+                f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
+                f"of example {example_id} (a merge across the span boundary)"
+            )
+        if index == 0:
+            raise ValueError(f"event {chosen!r} is the first token of example {example_id}: nothing predicts it")
+        events.append(DecisionEvent(
+            example_id=example_id, kind=kind, position=index, chosen_token=chosen_token,
+            contrast_tokens=(contrast_token,), chosen=chosen, contrast=contrast,
+            char_start=start, char_end=end, mention=int(_field(gold, "mention")),
+            region=_region_of(gold, gold_events),
+        ))
+    return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
+
+
+def candidate_token_ids(tokenizer, pattern: str) -> list[int]:
+    """Ids of the vocabulary tokens whose decoded text fully matches `pattern` (e.g. r"[A-Z]\\d\\d")."""
+    compiled = re.compile(pattern)
+    return sorted(
+        token_id for token_id in range(len(tokenizer))
+        if compiled.fullmatch(tokenizer.decode([token_id]).strip())
+    )
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt_tokens: Sequence[int], max_new_tokens: int, stop_token_ids: Iterable[int] = ()) -> list[int]:
+    """Greedy decoding by full forward passes (the bridged KV cache is unreliable in TL 4.3)."""
+    tokens = list(prompt_tokens)
+    stops = set(stop_token_ids)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([tokens]))
+        next_token = int(logits[0, -1].argmax())
+        tokens.append(next_token)
+        if next_token in stops:
+            break
+    return tokens
+
+
+@torch.no_grad()
+def events_from_generation(
+    model,
+    tokenizer,
+    prompt: str,
+    output: str,
+    locate: Callable[[str], Iterable[tuple[str, int, int]]],
+    candidates: Mapping[str, Sequence[int]],
+    example_id: int,
+) -> EncodedExample:
+    """The decisions the model actually makes in its own generated `output`.
+
+    `locate(output)` yields `(kind, start, end)` character spans of decisions inside `output`
+    (e.g. from a code regex). The event token is the first token in the span whose id is in
+    `candidates[kind]`; its contrast is the best competing candidate of the same kind at the
+    predicting position.
+    """
+    text = prompt + output
+    tokens, offsets = _encode(tokenizer, text)
+    logits = model(torch.tensor([tokens]))[0]
+    encoded = EncodedExample(example_id, text, len(prompt), tokens, offsets)
+    for kind, start, end in locate(output):
+        if kind not in candidates:
+            raise ValueError(f"no candidate token set for event kind {kind!r}")
+        candidate_ids = torch.tensor(list(candidates[kind]))
+        span_positions = encoded.token_positions_of_chars(len(prompt) + start, len(prompt) + end)
+        decided = [p for p in span_positions if tokens[p] in set(candidate_ids.tolist()) and p > 0]
+        if not decided:
+            continue
+        position = decided[0]
+        competitors = candidate_ids[candidate_ids != tokens[position]]
+        if len(competitors) == 0:
+            raise ValueError(f"candidate set for {kind!r} has no token besides the chosen one")
+        contrast_token = int(competitors[logits[position - 1, competitors].argmax()])
+        s, e = offsets[position]
+        encoded.events.append(DecisionEvent(
+            example_id=example_id, kind=kind, position=position, chosen_token=tokens[position],
+            contrast_tokens=(contrast_token,), chosen=text[s:e], contrast=tokenizer.decode([contrast_token]),
+            char_start=s, char_end=e,
+        ))
+    return encoded
+
+
+@dataclass
+class EventBatch:
+    """One row per event: the context up to the predicting position, right-padded.
+
+    Right padding is safe without an attention mask: causal attention never looks ahead.
+    """
+
+    tokens: Int[Tensor, "event pos"]
+    predict_positions: Int[Tensor, "event"]
+    chosen: Int[Tensor, "event"]
+    contrast: Int[Tensor, "event n_contrast"]  # -1 pads rows with fewer contrasts
+    events: list[DecisionEvent]
+
+    @property
+    def kinds(self) -> list[str]:
+        return [event.kind for event in self.events]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def select(self, rows: Sequence[int] | Tensor) -> "EventBatch":
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        keep = [self.events[int(i)] for i in rows]
+        width = int(self.predict_positions[rows].max()) + 1 if len(rows) else 1
+        return EventBatch(self.tokens[rows, :width], self.predict_positions[rows], self.chosen[rows],
+                          self.contrast[rows], keep)
+
+    def of_kind(self, kind: str) -> "EventBatch":
+        return self.select([i for i, k in enumerate(self.kinds) if k == kind])
+
+
+def make_event_batch(
+    examples: Sequence[EncodedExample], events: Sequence[DecisionEvent] | None = None, pad_token_id: int = 0
+) -> EventBatch:
+    """Stack events (by default every event of every example) into an `EventBatch`."""
+    by_id = {example.example_id: example for example in examples}
+    chosen_events = list(events) if events is not None else [e for x in examples for e in x.events]
+    if not chosen_events:
+        raise ValueError("no events to batch")
+    for event in chosen_events:
+        if event.example_id not in by_id:
+            raise KeyError(f"event refers to unknown example {event.example_id}")
+        length = len(by_id[event.example_id].tokens)
+        if not (1 <= event.position < length):
+            raise IndexError(
+                f"event at token {event.position} lies outside the context of example {event.example_id} "
+                f"(tokens 1..{length - 1} can be predicted)"
+            )
+    width = max(event.position for event in chosen_events)
+    n_contrast = max(len(event.contrast_tokens) for event in chosen_events)
+    tokens = torch.full((len(chosen_events), width), pad_token_id, dtype=torch.long)
+    contrast = torch.full((len(chosen_events), n_contrast), -1, dtype=torch.long)
+    for row, event in enumerate(chosen_events):
+        context = by_id[event.example_id].tokens[: event.position]
+        tokens[row, : len(context)] = torch.tensor(context)
+        contrast[row, : len(event.contrast_tokens)] = torch.tensor(event.contrast_tokens)
+    predict = torch.tensor([event.predict_position for event in chosen_events])
+    chosen = torch.tensor([event.chosen_token for event in chosen_events])
+    return EventBatch(tokens, predict, chosen, contrast, chosen_events)
+
+
+def with_contrast(event: DecisionEvent, contrast_token: int, contrast: str = "") -> DecisionEvent:
+    return replace(event, contrast_tokens=(contrast_token,), contrast=contrast)
+
+
+def margins_at(
+    logits: Float[Tensor, "event pos vocab"],
+    predict_positions: Int[Tensor, "event"],
+    chosen: Int[Tensor, "event"],
+    contrast: Int[Tensor, "event n_contrast"],
+) -> Float[Tensor, "event"]:
+    """logit(chosen) - max over contrasts of logit(contrast), at each row's predicting position."""
+    rows = torch.arange(logits.shape[0])
+    if int(predict_positions.max()) >= logits.shape[1] or int(predict_positions.min()) < 0:
+        raise IndexError(f"predicting positions {predict_positions.tolist()} outside logits of length {logits.shape[1]}")
+    at_event = logits[rows, predict_positions]  # [event, vocab]
+    chosen_logit = at_event[rows, chosen]
+    contrast_logits = at_event.gather(1, contrast.clamp(min=0))
+    contrast_logits = contrast_logits.masked_fill(contrast < 0, float("-inf"))
+    margins = chosen_logit - contrast_logits.max(dim=1).values
+    if torch.isnan(margins).any():
+        bad = torch.isnan(margins).nonzero().flatten().tolist()
+        raise FloatingPointError(f"NaN decision margin at event rows {bad}")
+    return margins
+
+
+def decision_margins(logits: Float[Tensor, "event pos vocab"], batch: EventBatch) -> Float[Tensor, "event"]:
+    """Each event's own decision margin from a forward pass over `batch.tokens`."""
+    return margins_at(logits, batch.predict_positions, batch.chosen, batch.contrast)
+
+
+def margin_fraction(margins: Float[Tensor, "event"], clean: Float[Tensor, "event"]) -> Float[Tensor, "event"]:
+    """Per-event normalisation: the fraction of the clean margin that `margins` keeps."""
+    if torch.isnan(clean).any() or torch.isnan(margins).any():
+        raise FloatingPointError("NaN margin passed to margin_fraction")
+    if (clean <= 0).any():
+        bad = (clean <= 0).nonzero().flatten().tolist()
+        raise ValueError(
+            f"clean margins at rows {bad} are not positive: the fraction is undefined; keep decided events only "
+            "(see decided_rows)"
+        )
+    return margins / clean
+
+
+def decided_rows(clean: Float[Tensor, "event"], min_margin: float = 0.0) -> Tensor:
+    """Rows whose clean margin exceeds `min_margin` (events the model actually decides its way)."""
+    return (clean > min_margin).nonzero().flatten()

@@ -1,0 +1,302 @@
+"""The interventions as composable TransformerLens hooks.
+
+Every factory returns a list of `(hook_name, fn)` pairs keyed on standard hook names
+(`transformer_lens.utilities.get_act_name`), so any combination goes into one
+`model.run_with_hooks(tokens, fwd_hooks=[*a, *b])` call on a `TransformerBridge` (or any hooked
+model). Hook functions never look at `hook.name`: in TL 4 it is the canonical, not the alias name.
+
+Per-head activations are read and written at `blocks.{l}.attn.hook_z` [batch, pos, head, d_head].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import einops
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformer_lens.utilities import get_act_name
+
+from mistill_lens.events import EventBatch, POSITION_CLASSES, decision_margins
+
+Head = tuple[int, int]
+HookFn = Callable[[Tensor, object], Tensor]
+HookPair = tuple[str, HookFn]
+
+
+def z_hook_name(layer: int) -> str:
+    return get_act_name("z", layer)
+
+
+def check_hook_names(model, names: Iterable[str]) -> None:
+    """Raise a KeyError naming every hook name the model does not have."""
+    unknown = sorted(set(names) - set(model.hook_dict))
+    if unknown:
+        examples = [n for n in model.hook_dict if n.endswith("hook_z")][:2]
+        raise KeyError(f"unknown hook name(s) {unknown}; this model has e.g. {examples}")
+
+
+def n_layers_heads(model) -> tuple[int, int]:
+    return model.cfg.n_layers, model.cfg.n_heads
+
+
+def all_heads(model) -> list[Head]:
+    n_layers, n_heads = n_layers_heads(model)
+    return [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
+
+
+def validate_heads(model, heads: Iterable[Head], allow_empty: bool = False) -> list[Head]:
+    """Sorted unique heads, with clear errors for out-of-range indices and empty sets."""
+    n_layers, n_heads = n_layers_heads(model)
+    unique = sorted({(int(layer), int(head)) for layer, head in heads})
+    if not unique and not allow_empty:
+        raise ValueError("empty head set: nothing to intervene on")
+    bad = [(l, h) for l, h in unique if not (0 <= l < n_layers and 0 <= h < n_heads)]
+    if bad:
+        raise IndexError(f"heads {bad} out of range for a model with {n_layers} layers x {n_heads} heads")
+    return unique
+
+
+def head_mask(model, heads: Iterable[Head]) -> Tensor:
+    """Bool [layer, head] mask of `heads`."""
+    n_layers, n_heads = n_layers_heads(model)
+    mask = torch.zeros(n_layers, n_heads, dtype=torch.bool)
+    for layer, head in heads:
+        mask[layer, head] = True
+    return mask
+
+
+def _check_z(act: Tensor, n_heads: int, batch_pos: tuple[int, int] | None, what: str) -> None:
+    if act.ndim != 4 or act.shape[2] != n_heads:
+        raise ValueError(f"{what}: expected hook_z activations [batch, pos, {n_heads}, d_head], got {tuple(act.shape)}")
+    if batch_pos is not None and tuple(act.shape[:2]) != batch_pos:
+        raise ValueError(f"{what}: activations are [batch, pos] = {tuple(act.shape[:2])} but positions were given for {batch_pos}")
+
+
+# --- reference means -------------------------------------------------------------------------
+
+
+@dataclass
+class HeadMeans:
+    """Exact mean of every head's hook_z over reference positions, one mean per position class."""
+
+    class_names: tuple[str, ...]
+    means: Float[Tensor, "cls layer head d_head"]
+    counts: Int[Tensor, "cls"]
+
+    def class_index(self, name: str) -> int:
+        if name not in self.class_names:
+            raise KeyError(f"no reference mean for position class {name!r}; have {self.class_names}")
+        index = self.class_names.index(name)
+        if int(self.counts[index]) == 0:
+            raise ValueError(f"position class {name!r} had no reference positions")
+        return index
+
+
+def collect_z(model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()) -> Float[Tensor, "layer batch pos head d_head"]:
+    """Every layer's hook_z from one forward pass (with any hooks already applied)."""
+    names = [z_hook_name(layer) for layer in range(model.cfg.n_layers)]
+    store: dict[str, Tensor] = {}
+
+    def saver(name: str) -> HookFn:
+        def save(act: Tensor, hook) -> Tensor:
+            store[name] = act.detach().clone()
+            return act
+        return save
+
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=[*extra_hooks, *[(n, saver(n)) for n in names]])
+    return torch.stack([store[name] for name in names])
+
+
+def event_position_classes(batch: EventBatch, class_names: Sequence[str] = POSITION_CLASSES) -> Int[Tensor, "event pos"]:
+    """Class index of each row's predicting position (its event kind); -1 everywhere else."""
+    classes = torch.full(batch.tokens.shape, -1, dtype=torch.long)
+    rows = torch.arange(len(batch))
+    classes[rows, batch.predict_positions] = torch.tensor([list(class_names).index(k) for k in batch.kinds])
+    return classes
+
+
+def compute_head_means(
+    model,
+    tokens: Int[Tensor, "batch pos"],
+    position_class: Int[Tensor, "batch pos"],
+    class_names: Sequence[str] = POSITION_CLASSES,
+    batch_size: int = 64,
+) -> HeadMeans:
+    """Exact per-class means of hook_z over the positions of real reference runs (-1 = unused)."""
+    if tokens.shape != position_class.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and position classes {tuple(position_class.shape)} differ")
+    n_layers, n_heads = n_layers_heads(model)
+    sums = None
+    counts = torch.zeros(len(class_names), dtype=torch.long)
+    for start in range(0, tokens.shape[0], batch_size):
+        z = collect_z(model, tokens[start:start + batch_size]).double()  # sums in float64: exact enough
+        classes = position_class[start:start + batch_size]
+        one_hot = torch.nn.functional.one_hot(classes.clamp(min=0), len(class_names)).double()
+        one_hot = one_hot * (classes >= 0).unsqueeze(-1)
+        chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")
+        sums = chunk if sums is None else sums + chunk
+        counts += one_hot.sum(dim=(0, 1)).long()
+    means = sums / counts.clamp(min=1).double().view(-1, 1, 1, 1)
+    return HeadMeans(tuple(class_names), means.to(torch.float32), counts)
+
+
+def means_from_events(model, batch: EventBatch, class_names: Sequence[str] = POSITION_CLASSES) -> HeadMeans:
+    """Reference means at the predicting positions of `batch`'s events, one class per event kind."""
+    return compute_head_means(model, batch.tokens, event_position_classes(batch, class_names), class_names)
+
+
+# --- mean ablation ---------------------------------------------------------------------------
+
+
+def _mean_ablation_pairs(model, heads: list[Head], means: HeadMeans, position_class: Tensor) -> list[HookPair]:
+    n_layers, n_heads = n_layers_heads(model)
+    if means.means.shape[1:3] != (n_layers, n_heads):
+        raise ValueError(f"means are for {tuple(means.means.shape[1:3])} layers x heads, model has {(n_layers, n_heads)}")
+    used = position_class[position_class >= 0].unique()
+    if len(used) and int(used.max()) >= len(means.class_names):
+        raise IndexError(f"position class {int(used.max())} has no reference mean")
+    for index in used.tolist():
+        means.class_index(means.class_names[index])  # raises if that class had no reference positions
+    mask = head_mask(model, heads)
+    pairs = []
+    for layer in sorted({layer for layer, _ in heads}):
+        layer_heads = mask[layer]
+        layer_means = means.means[:, layer]  # [cls, head, d_head]
+
+        def ablate(act: Tensor, hook, layer_heads=layer_heads, layer_means=layer_means) -> Tensor:
+            _check_z(act, n_heads, tuple(position_class.shape), "mean ablation")
+            replacement = layer_means.to(act.dtype)[position_class.clamp(min=0)]  # [batch, pos, head, d_head]
+            where = (position_class >= 0)[:, :, None, None] & layer_heads[None, None, :, None]
+            return torch.where(where, replacement, act)
+
+        pairs.append((z_hook_name(layer), ablate))
+    return pairs
+
+
+def mean_ablation_hooks(
+    model, heads: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
+) -> list[HookPair]:
+    """Replace the heads' hook_z with the exact reference mean of each position's class.
+
+    `position_class[b, p]` indexes `means.class_names` (-1: leave that position alone).
+    """
+    return _mean_ablation_pairs(model, validate_heads(model, heads), means, position_class)
+
+
+def ablate_all_but_hooks(
+    model, keep: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
+) -> list[HookPair]:
+    """Mean-ablate every head except `keep` (sufficiency). Keeping every head gives no hooks."""
+    kept = set(validate_heads(model, keep))
+    others = [h for h in all_heads(model) if h not in kept]
+    return _mean_ablation_pairs(model, others, means, position_class) if others else []
+
+
+# --- knock-in --------------------------------------------------------------------------------
+
+
+def knock_in_hooks(
+    model,
+    heads: Iterable[Head],
+    source_values: Float[Tensor, "layer batch head d_head"],
+    target_positions: Int[Tensor, "batch"],
+) -> list[HookPair]:
+    """Write the heads' activations from a source run into row b of this run at `target_positions[b]`.
+
+    `source_values[:, b]` holds the source example's hook_z at *its* aligned event position (see
+    `gather_at_positions`): alignment is by event, since the two contexts differ in length.
+    """
+    heads = validate_heads(model, heads)
+    n_layers, n_heads = n_layers_heads(model)
+    if source_values.shape[0] != n_layers or source_values.shape[2] != n_heads:
+        raise ValueError(f"source values {tuple(source_values.shape)} are not [layer={n_layers}, batch, head={n_heads}, d_head]")
+    if source_values.shape[1] != target_positions.shape[0]:
+        raise ValueError("one source activation per target row is needed")
+    mask = head_mask(model, heads)
+    rows = torch.arange(target_positions.shape[0])
+    pairs = []
+    for layer in sorted({layer for layer, _ in heads}):
+        def knock_in(act: Tensor, hook, layer=layer) -> Tensor:
+            _check_z(act, n_heads, None, "knock-in")
+            if act.shape[0] != len(rows) or int(target_positions.max()) >= act.shape[1]:
+                raise IndexError(f"knock-in targets {target_positions.tolist()} outside activations {tuple(act.shape[:2])}")
+            current = act[rows, target_positions]  # [batch, head, d_head]
+            written = torch.where(mask[layer][None, :, None], source_values[layer].to(act.dtype), current)
+            patched = act.clone()
+            patched[rows, target_positions] = written
+            return patched
+        pairs.append((z_hook_name(layer), knock_in))
+    return pairs
+
+
+def gather_at_positions(z: Float[Tensor, "layer batch pos head d_head"], rows: Int[Tensor, "n"], positions: Int[Tensor, "n"]) -> Float[Tensor, "layer n head d_head"]:
+    """hook_z of source row `rows[i]` at `positions[i]`, ready for `knock_in_hooks`."""
+    if int(positions.max()) >= z.shape[2]:
+        raise IndexError(f"source positions {positions.tolist()} outside a context of length {z.shape[2]}")
+    return z[:, rows, positions]
+
+
+# --- attribution -----------------------------------------------------------------------------
+
+
+@dataclass
+class AttributionStore:
+    """Filled by `attribution_hooks` during a forward pass: activations and zero leaves per layer."""
+
+    activations: dict[int, Tensor] = field(default_factory=dict)
+    leaves: dict[int, Tensor] = field(default_factory=dict)
+
+
+def attribution_hooks(model, store: AttributionStore) -> list[HookPair]:
+    """Add a zero leaf to every layer's hook_z; d(output)/d(leaf) is then d(output)/d(hook_z).
+
+    Why a zero leaf: it puts every head of every layer into one backward pass without requiring
+    gradients on the weights or detaching anything upstream.
+    """
+    pairs = []
+    for layer in range(model.cfg.n_layers):
+        def add_leaf(act: Tensor, hook, layer=layer) -> Tensor:
+            leaf = torch.zeros_like(act, requires_grad=True)
+            store.activations[layer] = act.detach()
+            store.leaves[layer] = leaf
+            return act + leaf
+        pairs.append((z_hook_name(layer), add_leaf))
+    return pairs
+
+
+def attribution_scores(
+    model, batch: EventBatch, means: HeadMeans, extra_hooks: Sequence[HookPair] = ()
+) -> Float[Tensor, "event layer head"]:
+    """Attribution patching: gradient x (activation - class mean) of each event's margin, per head,
+    at the event's predicting position. Positive = the head pushes toward the chosen token (the
+    linear estimate of the margin lost by mean-ablating it). One forward and one backward."""
+    store = AttributionStore()
+    with torch.enable_grad():
+        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *attribution_hooks(model, store)])
+        margins = decision_margins(logits, batch)
+        layers = sorted(store.leaves)
+        grads = torch.autograd.grad(margins.sum(), [store.leaves[l] for l in layers])
+    rows = torch.arange(len(batch))
+    class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
+    scores = []
+    for layer, grad in zip(layers, grads):
+        act = store.activations[layer][rows, batch.predict_positions]  # [event, head, d_head]
+        mean = means.means[class_index, layer]  # [event, head, d_head]
+        g = grad[rows, batch.predict_positions]
+        scores.append(einops.einsum(g, act - mean, "e h d, e h d -> e h"))
+    return einops.rearrange(torch.stack(scores), "l e h -> e l h")
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def run_margins(model, batch: EventBatch, hooks: Sequence[HookPair] = ()) -> Float[Tensor, "event"]:
+    """The events' margins from one forward pass with `hooks` applied."""
+    check_hook_names(model, [name for name, _ in hooks])
+    logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))
+    return decision_margins(logits, batch)

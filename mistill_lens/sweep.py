@@ -1,0 +1,129 @@
+"""Exact ablation sweeps: every head x every event, one re-run per head.
+
+`ablation_sweep` writes its table after each head, so an interrupted sweep resumes where it
+stopped (heads already in the file are not re-run, after checking the file belongs to this run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import einops
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from mistill_lens.events import EventBatch
+from mistill_lens.hooks import (
+    Head, HeadMeans, HookPair, all_heads, event_position_classes, mean_ablation_hooks, run_margins, validate_heads,
+)
+
+SWEEP_COLUMNS = ["event_row", "example_id", "kind", "position", "layer", "head",
+                 "clean_margin", "ablated_margin", "effect", "fraction_lost"]
+
+
+def chunked_margins(model, batch: EventBatch, hooks_for: callable, batch_size: int = 256) -> Float[Tensor, "event"]:
+    """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks."""
+    parts = []
+    for start in range(0, len(batch), batch_size):
+        sub = batch.select(range(start, min(start + batch_size, len(batch))))
+        parts.append(run_margins(model, sub, hooks_for(sub)))
+    return torch.cat(parts)
+
+
+def ablated_margins(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], batch_size: int = 256) -> Float[Tensor, "event"]:
+    """Margins with `heads` mean-ablated at each event's predicting position (class = its kind)."""
+    heads = list(heads)
+    return chunked_margins(
+        model, batch,
+        lambda sub: mean_ablation_hooks(model, heads, means, event_position_classes(sub, means.class_names)),
+        batch_size,
+    )
+
+
+def clean_margins(model, batch: EventBatch, extra_hooks: Sequence[HookPair] = (), batch_size: int = 256) -> Float[Tensor, "event"]:
+    return chunked_margins(model, batch, lambda sub: list(extra_hooks), batch_size)
+
+
+def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -> pd.DataFrame:
+    effect = clean - ablated
+    fraction = torch.where(clean > 0, effect / clean.where(clean > 0, torch.ones_like(clean)), torch.nan)
+    return pd.DataFrame({
+        "event_row": range(len(batch)),
+        "example_id": [e.example_id for e in batch.events],
+        "kind": batch.kinds,
+        "position": [e.position for e in batch.events],
+        "layer": head[0], "head": head[1],
+        "clean_margin": clean.tolist(), "ablated_margin": ablated.tolist(),
+        "effect": effect.tolist(), "fraction_lost": fraction.tolist(),
+    })
+
+
+def ablation_sweep(
+    model,
+    batch: EventBatch,
+    means: HeadMeans,
+    out_path: Path | None = None,
+    heads: Iterable[Head] | None = None,
+    progress: bool = True,
+    batch_size: int = 256,
+) -> pd.DataFrame:
+    """Exact single-head mean-ablation effect of every head on every event (columns SWEEP_COLUMNS).
+
+    `effect` = clean margin - ablated margin (logits); `fraction_lost` = effect / clean margin
+    (NaN where the clean margin is not positive). With `out_path` (CSV) the table is appended after
+    each head and a rerun skips heads already there.
+    """
+    heads = validate_heads(model, heads if heads is not None else all_heads(model))
+    clean = clean_margins(model, batch, batch_size=batch_size)
+    done = pd.DataFrame(columns=SWEEP_COLUMNS)
+    if out_path is not None and Path(out_path).exists():
+        done = pd.read_csv(out_path)
+        _check_resumable(done, batch, clean)
+    finished = {(int(l), int(h)) for (l, h), rows in done.groupby(["layer", "head"]) if len(rows) == len(batch)}
+    done = done[[(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])]]
+    if out_path is not None:
+        done.to_csv(out_path, index=False)  # drop any partial head before appending
+    frames = [done]
+    for head in tqdm([h for h in heads if h not in finished], desc="ablation sweep", disable=not progress):
+        rows = _sweep_rows(batch, head, clean, ablated_margins(model, batch, means, [head], batch_size))
+        if out_path is not None:
+            rows.to_csv(out_path, mode="a", header=False, index=False)
+        frames.append(rows)
+    table = pd.concat([f for f in frames if len(f)], ignore_index=True)
+    return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
+
+
+def _check_resumable(done: pd.DataFrame, batch: EventBatch, clean: Tensor) -> None:
+    if list(done.columns) != SWEEP_COLUMNS:
+        raise ValueError(f"existing sweep file has columns {list(done.columns)}, expected {SWEEP_COLUMNS}")
+    if len(done) == 0:
+        return
+    if int(done["event_row"].max()) >= len(batch):
+        raise ValueError("existing sweep file has more events than this run: it belongs to another run")
+    stored = torch.tensor(done["clean_margin"].to_numpy(), dtype=clean.dtype)
+    if not torch.allclose(stored, clean[torch.tensor(done["event_row"].to_numpy())], atol=1e-4):
+        raise ValueError("existing sweep file's clean margins differ from this run's: it belongs to another run")
+
+
+def effects_tensor(table: pd.DataFrame, n_events: int, n_layers: int, n_heads: int, column: str = "effect") -> Float[Tensor, "event layer head"]:
+    """The sweep table as an [event, layer, head] tensor (NaN for heads not swept)."""
+    effects = torch.full((n_events, n_layers, n_heads), torch.nan)
+    effects[
+        torch.tensor(table["event_row"].to_numpy()), torch.tensor(table["layer"].to_numpy()),
+        torch.tensor(table["head"].to_numpy()),
+    ] = torch.tensor(table[column].to_numpy(), dtype=torch.float32)
+    return effects
+
+
+def head_ablation_effects(model, batch: EventBatch, means: HeadMeans, progress: bool = False) -> Float[Tensor, "event layer head"]:
+    """Exact margin drop of every event when each head alone is mean-ablated (no file)."""
+    table = ablation_sweep(model, batch, means, progress=progress)
+    return effects_tensor(table, len(batch), model.cfg.n_layers, model.cfg.n_heads)
+
+
+def flatten_heads(scores: Float[Tensor, "... layer head"]) -> Float[Tensor, "... layer_head"]:
+    return einops.rearrange(scores, "... l h -> ... (l h)")

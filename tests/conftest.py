@@ -1,0 +1,53 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from transformer_lens import TransformerBridge
+
+from mistill_lens.calibration import null_events
+from mistill_lens.events import events_from_spans, make_event_batch
+from mistill_lens.hooks import compute_head_means, event_position_classes
+
+from planted import VOCAB, planted_bridge, planted_examples
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def planted(tmp_path_factory):
+    return planted_bridge(tmp_path_factory.mktemp("planted_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def random_bridge(planted):
+    """A random-weight GPT-2 (LayerNorm and MLPs live) on the planted vocabulary, for exactness tests."""
+    _, tokenizer = planted
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(VOCAB), n_positions=32, n_embd=32, n_layer=3, n_head=4)
+    hf_model = GPT2LMHeadModel(config).eval()
+    return TransformerBridge.boot_transformers("random-gpt2", hf_model=hf_model, tokenizer=tokenizer,
+                                               device="cpu", dtype=torch.float32)
+
+
+def encode_all(tokenizer, examples, first_id=0):
+    return [events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)]
+
+
+@pytest.fixture(scope="session")
+def planted_data(planted):
+    """Encoded test examples, their event batch, null batch, and means from separate reference runs."""
+    bridge, tokenizer = planted
+    examples = encode_all(tokenizer, planted_examples(24, seed=0))
+    reference = encode_all(tokenizer, planted_examples(60, seed=1), first_id=1000)
+    reference_events = [e for x in reference for e in x.events]
+    reference_nulls = null_events(reference, reference_events, per_event=1, seed=1)
+    reference_batch = make_event_batch(reference, reference_events + reference_nulls)
+    means = compute_head_means(bridge, reference_batch.tokens, event_position_classes(reference_batch))
+    batch = make_event_batch(examples)
+    nulls = make_event_batch(examples, null_events(examples, batch.events, per_event=2, seed=0))
+    return {"examples": examples, "batch": batch, "nulls": nulls, "means": means,
+            "reference_batch": reference_batch}
