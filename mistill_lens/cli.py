@@ -1,0 +1,135 @@
+"""The ``mistill-lens`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: bool = False) -> None:
+    from mistill_lens import task
+    from mistill_lens.icd import DEFAULT_UNIVERSE_SIZE
+
+    note = " (default: the model's training value)" if defaults_from_model else ""
+    parser.add_argument("--universe-size", type=int, default=None if defaults_from_model else DEFAULT_UNIVERSE_SIZE,
+                        help=f"codes in the label universe, up to 12536{note or f' (default {DEFAULT_UNIVERSE_SIZE})'}")
+    parser.add_argument("--k", type=int, default=None if defaults_from_model else task.DEFAULT_K,
+                        help=f"candidates in context{note or f' (default {task.DEFAULT_K})'}")
+    parser.add_argument("--max-mentions", type=int, default=None if defaults_from_model else task.DEFAULT_MAX_MENTIONS,
+                        help=f"most conditions per summary, 1-4{note or f' (default {task.DEFAULT_MAX_MENTIONS})'}")
+
+
+def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> dict:
+    model_config = model_config or {}
+    return {
+        name: getattr(args, name) if getattr(args, name) is not None else model_config[name]
+        for name in ("universe_size", "k", "max_mentions")
+    }
+
+
+def cmd_data(args: argparse.Namespace) -> None:
+    from mistill_lens import task
+
+    examples = task.generate_examples(args.n, args.seed, args.split, **_task_config(args))
+    task.write_jsonl(examples, args.out)
+    n_events = sum(len(e.events) for e in examples)
+    print(json.dumps({"out": str(args.out), "n": len(examples), "events": n_events}))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from mistill_lens.train import TrainConfig, train
+
+    config = TrainConfig(
+        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        checkpoint_every=args.checkpoint_every, **_task_config(args),
+    )
+    command = "mistill-lens " + shlex.join(sys.argv[1:])
+    metadata = train(config, args.out, command=command)
+    print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from mistill_lens import task
+    from mistill_lens.evaluate import evaluate
+    from mistill_lens.models import load_hf_model, read_metadata
+
+    model, tokenizer = load_hf_model(args.model)
+    config = _task_config(args, read_metadata(args.model).get("config"))
+    examples = task.generate_examples(args.n, args.seed, args.split, **config)
+    scores, outputs = evaluate(model, tokenizer, examples, config["universe_size"])
+    if args.save_outputs:
+        path = Path(args.save_outputs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"id": e.id, "generated": o}) + "\n" for e, o in zip(examples, outputs)))
+    scores.update(split=args.split, seed=args.seed, **config)
+    print(json.dumps(scores))
+
+
+def cmd_build_tokenizers(args: argparse.Namespace) -> None:
+    from mistill_lens.tokenization import build_and_save
+
+    build_and_save(Path(args.out))
+    print(json.dumps({"out": args.out}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mistill_lens.task import SPLITS
+
+    parser = argparse.ArgumentParser(
+        prog="mistill-lens",
+        description="Characterise and distil label-selection mechanisms in hooked language models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    data = sub.add_parser("data", help="write task examples with their gold decision events as JSONL")
+    data.add_argument("--n", type=int, required=True, help="number of examples")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--split", choices=SPLITS, default="train")
+    data.add_argument("--out", required=True, help="output .jsonl file")
+    _add_task_options(data)
+    data.set_defaults(func=cmd_data)
+
+    train = sub.add_parser("train", help="train a model from scratch on the coding task (resumable)")
+    train.add_argument("--role", choices=["teacher"], default="teacher")
+    train.add_argument("--out", required=True, help="checkpoint folder; rerun the same command to resume")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, default=3000)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--n-layer", type=int, default=4)
+    train.add_argument("--n-head", type=int, default=4)
+    train.add_argument("--n-embd", type=int, default=128)
+    train.add_argument("--checkpoint-every", type=int, default=250)
+    _add_task_options(train)
+    train.set_defaults(func=cmd_train)
+
+    evaluate = sub.add_parser("evaluate", help="greedy-decode a split and print the task metrics as JSON")
+    evaluate.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
+    evaluate.add_argument("--split", choices=SPLITS, default="heldout")
+    evaluate.add_argument("--n", type=int, default=200)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--save-outputs", default=None, help="also write the generations to this .jsonl")
+    _add_task_options(evaluate, defaults_from_model=True)
+    evaluate.set_defaults(func=cmd_evaluate)
+
+    tokenizers = sub.add_parser("build-tokenizers", help="rebuild the shipped teacher and student tokenizers")
+    tokenizers.add_argument("--out", default=str(Path(__file__).parent / "assets"))
+    tokenizers.set_defaults(func=cmd_build_tokenizers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
+        print(f"mistill-lens {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+
+
+if __name__ == "__main__":
+    main()

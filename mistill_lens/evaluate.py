@@ -1,0 +1,111 @@
+"""Greedy decoding and the task metrics: code F1, region accuracy, near-miss accuracy.
+
+Metrics, per gold mention, read the trace line whose mention text is the gold mention's:
+* ``region_acc``: the line names the gold region;
+* ``near_miss_acc``: the line names a real near-miss of the gold code that is among the
+  candidates (sibling or excludes code), rejects it, and then writes the gold code;
+* ``code_f1``: micro F1 of the final ``Codes:`` list against the gold codes, over all examples.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from mistill_lens.icd import Universe, load_universe
+from mistill_lens.task import Example, parse_output
+
+MAX_NEW_TOKENS = 400
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS
+) -> str:
+    """Greedy continuation of ``prompt`` with the Hugging Face model (KV cache), up to end-of-text.
+
+    Decoding runs on the plain HF model, not the bridge: TransformerLens 4.3's bridged
+    attention does not fill transformers' KV cache (see docs/transformerlens-4 notes).
+    """
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    room = model.config.max_position_embeddings - ids.shape[1]
+    if room <= 0:
+        raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the model's {room + ids.shape[1]}-token context")
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=min(max_new_tokens, room),
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@dataclass
+class Scores:
+    n: int = 0
+    mentions: int = 0
+    region_correct: int = 0
+    near_miss_correct: int = 0
+    true_positives: int = 0
+    predicted: int = 0
+    gold: int = 0
+    exact: int = 0
+
+    def add(self, example: Example, generated: str, universe: Universe) -> None:
+        lines, codes = parse_output(generated)
+        by_mention = {line.mention: line for line in lines}
+        candidates = set(example.candidates)
+        for mention in example.mentions:
+            line = by_mention.get(mention.text)
+            self.mentions += 1
+            if line is None:
+                continue
+            self.region_correct += line.region == mention.code.split(".")[0]
+            valid_near_misses = set(universe.near_misses(mention.code)) & candidates
+            self.near_miss_correct += line.near_miss in valid_near_misses and line.code == mention.code
+        predicted, gold = set(codes), set(example.gold_codes)
+        self.true_positives += len(predicted & gold)
+        self.predicted += len(predicted)
+        self.gold += len(gold)
+        self.exact += generated == example.output
+        self.n += 1
+
+    def as_dict(self) -> dict:
+        precision = self.true_positives / self.predicted if self.predicted else 0.0
+        recall = self.true_positives / self.gold if self.gold else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        return {
+            "code_f1": round(f1, 4),
+            "code_precision": round(precision, 4),
+            "code_recall": round(recall, 4),
+            "region_acc": round(self.region_correct / max(1, self.mentions), 4),
+            "near_miss_acc": round(self.near_miss_correct / max(1, self.mentions), 4),
+            "exact_match": round(self.exact / max(1, self.n), 4),
+            "mentions": self.mentions,
+            "n": self.n,
+        }
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    examples: list[Example],
+    universe_size: int,
+    *,
+    progress: bool = True,
+) -> tuple[dict, list[str]]:
+    """Scores and the generated outputs, in example order."""
+    universe = load_universe(universe_size)
+    scores = Scores()
+    outputs = []
+    for example in tqdm(examples, desc="evaluate", disable=not progress, file=sys.stderr):
+        generated = greedy_generate(model, tokenizer, example.prompt)
+        scores.add(example, generated, universe)
+        outputs.append(generated)
+    return scores.as_dict(), outputs

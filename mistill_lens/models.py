@@ -1,0 +1,141 @@
+"""Model configs, checkpoints and the one loading path into TransformerBridge.
+
+Checkpoints are ordinary Hugging Face ``save_pretrained`` folders (``config.json``,
+``model.safetensors``, the tokenizer files) plus ``mistill.json`` recording the command, seed
+and training figures that produced them. Every hook-based analysis loads a checkpoint as a
+TransformerLens 4 :class:`TransformerBridge`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from mistill_lens.tokenization import load_tokenizer
+
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_TEACHER = ASSETS / "teacher"
+METADATA_FILE = "mistill.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, corrupt, or does not match its tokenizer."""
+
+
+def teacher_config(
+    vocab_size: int,
+    *,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_embd: int = 128,
+    n_positions: int = 1024,
+    eos_token_id: int = 0,
+) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def resolve(spec: str | Path) -> Path:
+    """``default`` names the shipped teacher; anything else is a checkpoint folder."""
+    return DEFAULT_TEACHER if str(spec) == "default" else Path(spec)
+
+
+def save_checkpoint(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    out_dir: str | Path,
+    metadata: dict,
+    training_state: dict[str, dict] | None = None,
+) -> Path:
+    """Write the folder next to ``out_dir`` and rename it into place, so a crash leaves the old one.
+
+    ``training_state`` maps file names to objects saved with ``torch.save`` (optimizer state
+    for resuming).
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    for name, state in (training_state or {}).items():
+        torch.save(state, staging / name)
+    if out_dir.exists():
+        retired = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(out_dir, retired)
+        os.replace(staging, out_dir)
+        shutil.rmtree(retired)
+    else:
+        os.replace(staging, out_dir)
+    return out_dir
+
+
+def read_metadata(spec: str | Path) -> dict:
+    path = resolve(spec) / METADATA_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_hf_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The Hugging Face model and tokenizer of a checkpoint, with clear errors for bad folders."""
+    path = resolve(spec)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}") from err
+    tokenizer = load_tokenizer(path)
+    embedding_rows = model.get_input_embeddings().weight.shape[0]
+    if embedding_rows != len(tokenizer):
+        raise CheckpointError(
+            f"checkpoint {path}: the model has {embedding_rows} embedding rows but its tokenizer has "
+            f"{len(tokenizer)} tokens (mismatched tokenizer)"
+        )
+    model.eval()
+    return model, tokenizer
+
+
+def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype = torch.float32):
+    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place)."""
+    from transformer_lens import TransformerBridge
+
+    bridge = TransformerBridge.boot_transformers(
+        model.config.model_type, hf_model=model, tokenizer=tokenizer, device="cpu", dtype=dtype
+    )
+    bridge.eval()
+    return bridge
+
+
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
+    """``(TransformerBridge, tokenizer)`` for a checkpoint folder or ``default``."""
+    model, tokenizer = load_hf_model(spec, dtype=dtype)
+    return to_bridge(model, tokenizer, dtype=dtype), tokenizer

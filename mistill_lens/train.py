@@ -1,0 +1,191 @@
+"""Training from scratch on prompt -> reasoning + codes, with the loss on the output only.
+
+Examples stream from the task generator: example ``i`` of a run is a function of the seed and
+``i`` alone, so a resumed run sees exactly the batches an uninterrupted one would.
+Checkpoints (weights, optimizer state, step) are written atomically every
+``checkpoint_every`` steps and at the end; rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Int
+from tqdm.auto import tqdm
+from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
+
+from mistill_lens import task
+from mistill_lens.models import CheckpointError, load_hf_model, save_checkpoint, teacher_config
+from mistill_lens.tokenization import teacher_tokenizer
+
+TRAINING_STATE_FILE = "training_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 3000
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    universe_size: int = task.DEFAULT_UNIVERSE_SIZE
+    k: int = task.DEFAULT_K
+    max_mentions: int = task.DEFAULT_MAX_MENTIONS
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    checkpoint_every: int = 250
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tuple[list[int], list[bool]]:
+    """Token ids of prompt + output + end-of-text, and which of them are training targets.
+
+    The prompt is encoded on its own, exactly as it is at generation time.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + output_ids, [False] * len(prompt_ids) + [True] * len(output_ids)
+
+
+def collate(
+    encoded: list[tuple[list[int], list[bool]]], pad_id: int
+) -> tuple[Int[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"]]:
+    """Right-padded ids, attention mask, and target mask."""
+    width = max(len(ids) for ids, _ in encoded)
+    ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.bool)
+    targets = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for row, (token_ids, target) in enumerate(encoded):
+        ids[row, : len(token_ids)] = torch.tensor(token_ids)
+        attention[row, : len(token_ids)] = True
+        targets[row, : len(target)] = torch.tensor(target)
+    return ids, attention, targets
+
+
+def output_loss(
+    model: PreTrainedModel,
+    ids: Int[torch.Tensor, "batch pos"],
+    attention: Bool[torch.Tensor, "batch pos"],
+    targets: Bool[torch.Tensor, "batch pos"],
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over target tokens; the unembedding runs only where needed."""
+    hidden = model.base_model(input_ids=ids, attention_mask=attention.long()).last_hidden_state
+    predicts_target = targets[:, 1:]
+    logits = model.get_output_embeddings()(hidden[:, :-1][predicts_target])
+    return torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][predicts_target])
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    torch.manual_seed(config.seed)
+    hf_config = teacher_config(
+        len(tokenizer), n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return GPT2LMHeadModel(hf_config)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _resume(out_dir: Path, config: TrainConfig):
+    state_path = out_dir / TRAINING_STATE_FILE
+    if not state_path.is_file():
+        return None
+    state = torch.load(state_path, weights_only=False)
+    saved = TrainConfig(**state["config"])
+    if saved != config:
+        differing = [f.name for f in fields(TrainConfig) if getattr(saved, f.name) != getattr(config, f.name)]
+        raise CheckpointError(
+            f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
+            "use another --out or the same options"
+        )
+    model, _ = load_hf_model(out_dir)
+    model.train()
+    return model, state
+
+
+def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progress: bool = True) -> dict:
+    """Train (or resume) a teacher; returns the metadata written next to the weights."""
+    out_dir = Path(out_dir)
+    tokenizer = teacher_tokenizer()
+    _seed_everything(config.seed)
+    resumed = _resume(out_dir, config)
+    if resumed is None:
+        model, step, elapsed, losses = build_model(config, tokenizer), 0, 0.0, []
+    else:
+        model, state = resumed
+        step, elapsed, losses = state["step"], state["elapsed_s"], state["losses"]
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(0.9, 0.98))
+    if resumed is not None:
+        optimizer.load_state_dict(resumed[1]["optimizer"])
+        torch.set_rng_state(resumed[1]["torch_rng"])
+
+    stream = task.iter_examples(
+        config.seed, "train", universe_size=config.universe_size, k=config.k,
+        max_mentions=config.max_mentions, start=step * config.batch_size,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def checkpoint() -> dict:
+        metadata = {
+            "role": "teacher",
+            "command": command,
+            "config": asdict(config),
+            "step": step,
+            "n_params": n_params,
+            "train_time_s": round(elapsed, 1),
+            "final_loss": losses[-1] if losses else None,
+            "torch": torch.__version__,
+        }
+        state = {
+            "config": asdict(config), "step": step, "elapsed_s": elapsed, "losses": losses,
+            "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+        }
+        save_checkpoint(model, tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        return metadata
+
+    metadata = None
+    bar = tqdm(total=config.steps, initial=step, desc="train teacher", disable=not progress, file=sys.stderr)
+    while step < config.steps:
+        started = time.perf_counter()
+        batch = [encode(tokenizer, ex.prompt, ex.output) for ex in (next(stream) for _ in range(config.batch_size))]
+        ids, attention, targets = collate(batch, tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        loss = output_loss(model, ids, attention, targets)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        elapsed += time.perf_counter() - started
+        losses.append(round(loss.item(), 5))
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            metadata = checkpoint()
+    bar.close()
+    return metadata if metadata is not None else checkpoint()
