@@ -101,8 +101,14 @@ def read_metadata(spec: str | Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def load_hf_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The Hugging Face model and tokenizer of a checkpoint, with clear errors for bad folders."""
+def load_hf_model(
+    spec: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The Hugging Face model and tokenizer of a checkpoint, with clear errors for bad folders.
+
+    ``sdpa`` is what training uses, so logits reproduce the trained model exactly; the bridge
+    loads with ``eager`` attention.
+    """
     path = resolve(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
@@ -110,7 +116,7 @@ def load_hf_model(spec: str | Path, dtype: torch.dtype = torch.float32) -> tuple
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} has no {name}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}") from err
     tokenizer = load_tokenizer(path)
@@ -137,5 +143,5 @@ def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, dtype:
 
 def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
     """``(TransformerBridge, tokenizer)`` for a checkpoint folder or ``default``."""
-    model, tokenizer = load_hf_model(spec, dtype=dtype)
+    model, tokenizer = load_hf_model(spec, dtype=dtype, attn_implementation="eager")
     return to_bridge(model, tokenizer, dtype=dtype), tokenizer

@@ -1,0 +1,63 @@
+"""Training: a tiny teacher learns, and an interrupted run resumes to the same weights."""
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+import mistill_lens.train as train_module
+from mistill_lens.models import CheckpointError, load_hf_model
+from mistill_lens.train import TrainConfig, collate, encode, train
+from mistill_lens.tokenization import teacher_tokenizer
+
+TINY = TrainConfig(seed=3, steps=8, batch_size=2, lr=3e-3, warmup_steps=2, universe_size=300, k=8,
+                   max_mentions=1, n_layer=1, n_head=2, n_embd=32, checkpoint_every=4)
+
+
+def test_loss_mask_covers_exactly_the_output_and_end_of_text():
+    tokenizer = teacher_tokenizer()
+    ids, targets = encode(tokenizer, "Summary: x\nReasoning:\n", "- x => y\n")
+    assert tokenizer.decode([i for i, t in zip(ids, targets) if t]) == "- x => y\n" + tokenizer.eos_token
+    batch, attention, target_mask = collate([(ids, targets), (ids[:3], targets[:3])], tokenizer.pad_token_id)
+    assert batch.shape == (2, len(ids)) and attention[1].sum() == 3 and not target_mask[1].any()
+
+
+def test_a_tiny_teacher_learns(tmp_path):
+    config = replace(TINY, steps=80, batch_size=4, n_layer=2, n_embd=64, checkpoint_every=80)
+    metadata = train(config, tmp_path / "run", progress=False)
+    losses = torch.load(tmp_path / "run" / train_module.TRAINING_STATE_FILE, weights_only=False)["losses"]
+    assert metadata["step"] == 80 and len(losses) == 80
+    # chance is ln(vocab) ~ 8.2; the trace's fixed wording alone is learnable within 80 steps
+    assert losses[0] > 7.5
+    assert sum(losses[-10:]) / 10 < 0.5 * losses[0]
+
+
+def test_interrupted_run_resumes_to_identical_weights(tmp_path, monkeypatch):
+    train(TINY, tmp_path / "straight", progress=False)
+
+    # Snapshot the folder as the periodic checkpoint at step 4 left it: what a crash leaves.
+    real_save = train_module.save_checkpoint
+
+    def save_and_snapshot(model, tokenizer, out_dir, metadata, training_state=None):
+        path = real_save(model, tokenizer, out_dir, metadata, training_state)
+        if metadata["step"] == 4:
+            shutil.copytree(path, tmp_path / "interrupted")
+        return path
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_and_snapshot)
+    train(TINY, tmp_path / "scratch", progress=False)
+    monkeypatch.undo()
+
+    assert load_hf_model(tmp_path / "interrupted")[0].config.n_layer == 1
+    train(TINY, tmp_path / "interrupted", progress=False)
+    resumed, _ = load_hf_model(tmp_path / "interrupted")
+    straight, _ = load_hf_model(tmp_path / "straight")
+    for (name, a), (_, b) in zip(resumed.state_dict().items(), straight.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_resuming_with_other_options_is_refused(tmp_path):
+    train(replace(TINY, steps=4), tmp_path / "run", progress=False)
+    with pytest.raises(CheckpointError, match="different configuration"):
+        train(replace(TINY, steps=4, lr=1e-2), tmp_path / "run", progress=False)
