@@ -84,7 +84,8 @@ def ablation_sweep(
         done = pd.read_csv(out_path)
         _check_resumable(done, batch, clean)
     finished = {(int(l), int(h)) for (l, h), rows in done.groupby(["layer", "head"]) if len(rows) == len(batch)}
-    done = done[[(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])]]
+    done = done.loc[pd.Series([(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])],
+                              index=done.index, dtype=bool)]
     if out_path is not None:
         done.to_csv(out_path, index=False)  # drop any partial head before appending
     frames = [done]

@@ -1,0 +1,122 @@
+import pytest
+import torch
+
+from mistill_lens.calibration import calibrate
+from mistill_lens.circuits import (
+    ablation_curve, attention_mass, circuit_report, coverage, family_targets, head_families, knock_in_donors,
+    knock_in_transfer, necessity, phase_structure, select_circuit, sufficiency,
+)
+from mistill_lens.sweep import ablation_sweep, effects_tensor, head_ablation_effects
+
+from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
+from test_hooks import reference_frequencies
+
+
+@pytest.fixture(scope="module")
+def calibration(planted, planted_data):
+    bridge, _ = planted
+    real = head_ablation_effects(bridge, planted_data["batch"], planted_data["means"])
+    null = head_ablation_effects(bridge, planted_data["nulls"], planted_data["means"])
+    return calibrate(real, planted_data["batch"].kinds, null)
+
+
+def share(batch, reference, kind):
+    """Per event of `kind`: 1 - f(chosen) + f(contrast), the part of a head's contribution that
+    mean-ablation removes (f: reference frequency of each token)."""
+    freq = reference_frequencies(reference, kind)
+    rows = [i for i, k in enumerate(batch.kinds) if k == kind]
+    return rows, torch.tensor([1 - freq.get(int(batch.chosen[i]), 0) + freq.get(int(batch.contrast[i, 0]), 0) for i in rows])
+
+
+def test_circuit_selection_finds_the_planted_deciders_only(calibration):
+    circuits = select_circuit(calibration)
+    assert circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
+    phases = phase_structure(calibration, circuits)
+    assert phases["heads"] == {"region": [list(DECIDER)], "within": [list(WITHIN)]}
+    assert phases["overlap"] == {"region/within": 0.0}
+
+
+def test_necessity_sufficiency_and_knock_in_are_exact(planted, planted_data):
+    bridge, _ = planted
+    batch, means, reference = planted_data["batch"], planted_data["means"], planted_data["reference_batch"]
+    region_rows, region_share = share(batch, reference, "region")
+    within_rows, within_share = share(batch, reference, "within")
+    clean_region = REGION_GAIN + GENERIC_GAIN
+
+    lost = necessity(bridge, batch, means, [DECIDER, WITHIN])
+    torch.testing.assert_close(lost[region_rows], REGION_GAIN * region_share / clean_region, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lost[within_rows], within_share, atol=1e-4, rtol=0)
+
+    kept = sufficiency(bridge, batch, means, [DECIDER, WITHIN])
+    torch.testing.assert_close(kept[region_rows], 1 - GENERIC_GAIN * region_share / clean_region, atol=1e-4, rtol=0)
+    torch.testing.assert_close(kept[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
+
+    donors = knock_in_donors(batch, seed=0)
+    assert all(batch.kinds[d] == batch.kinds[i] and batch.chosen[d] != batch.chosen[i] for i, d in enumerate(donors.tolist()))
+    transfer = knock_in_transfer(bridge, batch, [DECIDER, WITHIN], donors)
+    torch.testing.assert_close(transfer[region_rows], torch.full((len(region_rows),), REGION_GAIN / clean_region), atol=1e-4, rtol=0)
+    torch.testing.assert_close(transfer[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
+    # knocked in, the generic head carries the donor's mention: its share of the donor's margin
+    generic = knock_in_transfer(bridge, batch, [GENERIC], donors)
+    torch.testing.assert_close(generic[region_rows], torch.full((len(region_rows),), GENERIC_GAIN / clean_region), atol=1e-4, rtol=0)
+
+
+def test_report_summary_and_coverage(planted, planted_data):
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    report = circuit_report(bridge, batch, means, [DECIDER, WITHIN], seed=0)
+    summary = report.summary({"necessity": 0.5, "sufficiency": 0.9, "knock_in": 0.9})
+    assert set(summary) == {"region", "within"}
+    assert summary["within"]["coverage"] == {"necessity": pytest.approx(summary["within"]["coverage"]["necessity"]),
+                                             "sufficiency": 1.0, "knock_in": 1.0}
+    assert summary["region"]["coverage"]["knock_in"] == 0.0  # a third transfers, below 0.9
+    assert summary["region"]["knock_in"] == pytest.approx(REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=1e-4)
+    assert coverage(torch.tensor([1.0, 0.0, 1.0, torch.nan]), [0, 0, 1, 2], 0.5) == 1.0  # example 0 averages 0.5
+    assert coverage(torch.tensor([0.2, 0.9]), [0, 1], 0.5) == 0.5
+
+
+def test_head_families_separate_candidate_readers_from_mention_readers(planted, planted_data):
+    bridge, _ = planted
+    examples, batch = planted_data["examples"], planted_data["batch"].of_kind("region")
+    by_id = {x.example_id: x for x in examples}
+    targets = [family_targets(by_id[e.example_id], e, near_miss_text=e.chosen) for e in batch.events]
+    for event, target in zip(batch.events, targets):
+        tokens = by_id[event.example_id].tokens
+        assert [tokens[p] for p in target["region_candidates"]] == [event.chosen_token + 6]  # the flagged "R{b}*"
+        assert target["near_miss_mention"] == [event.predict_position - 1]
+    masses = {family: attention_mass(bridge, batch, [t[family] for t in targets]) for family in targets[0]}
+    assert masses["region_candidates"][:, DECIDER[0], DECIDER[1]].min() > 0.999
+    assert masses["near_miss_mention"][:, GENERIC[0], GENERIC[1]].min() > 0.999
+    baselines = {f: torch.tensor([len(t[f]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]) for f in masses}
+    families = head_families(masses, batch.kinds, [DECIDER, GENERIC, WITHIN], baselines)
+    assert families.set_index("head")["family"].to_dict() == {0: "region_candidates", 1: "near_miss_mention", 2: "none"}
+    with pytest.raises(IndexError, match="outside its context"):
+        attention_mass(bridge, batch, [[100]] * len(batch))
+
+
+def test_ablation_curve_by_score_beats_random(planted, planted_data):
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    curve = ablation_curve(bridge, batch, means, [WITHIN, DECIDER], seed=0)
+    within = curve[(curve.kind == "within") & (curve.order == "by score")].set_index("n_ablated")["fraction_kept"]
+    assert within[0] == pytest.approx(1.0)
+    assert within[1] == pytest.approx(1 - float(necessity(bridge, batch.of_kind("within"), means, [WITHIN]).mean()), abs=1e-5)
+    random_within = curve[(curve.kind == "within") & (curve.order == "random")].set_index("n_ablated")["fraction_kept"]
+    assert within[1] < random_within[1]
+    assert sorted(curve.n_ablated.unique()) == list(range(9))
+
+
+def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data, tmp_path):
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    path = tmp_path / "sweep.csv"
+    partial = ablation_sweep(bridge, batch, means, path, heads=[(0, 0), (0, 1)], progress=False)
+    assert len(partial) == 2 * len(batch)
+    with open(path, "a") as f:  # an interrupted head: half its rows written
+        f.write("0,0,region,18,1,0,6.0,6.0,0.0,0.0\n")
+    full = ablation_sweep(bridge, batch, means, path, progress=False)
+    assert len(full) == 8 * len(batch) and len(full.drop_duplicates(["event_row", "layer", "head"])) == len(full)
+    effects = effects_tensor(full, len(batch), 2, 4)
+    torch.testing.assert_close(effects, head_ablation_effects(bridge, batch, means), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="another run"):
+        ablation_sweep(bridge, batch.of_kind("within"), means, path, progress=False)
