@@ -1,0 +1,54 @@
+"""Task metrics: perfect on the reference output, and each metric falls where its part is wrong."""
+
+import pytest
+
+from mistill_lens import task
+from mistill_lens.evaluate import Scores
+from mistill_lens.icd import load_universe
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return task.generate_examples(40, 2, "heldout")
+
+
+def _score(examples, rewrite):
+    scores = Scores()
+    for ex in examples:
+        scores.add(ex, rewrite(ex), load_universe())
+    return scores.as_dict()
+
+
+def test_reference_outputs_score_perfectly(examples):
+    result = _score(examples, lambda ex: ex.output)
+    assert result["code_f1"] == result["region_acc"] == result["near_miss_acc"] == result["exact_match"] == 1.0
+    assert result["n"] == 40 and result["mentions"] == sum(len(ex.mentions) for ex in examples)
+
+
+def test_a_wrong_sibling_costs_f1_and_near_miss_but_not_region(examples):
+    def swap_first_code(ex):
+        mention = ex.mentions[0]
+        return ex.output.replace(f"code {mention.code}\n", f"code {mention.near_miss}\n").replace(
+            task.CODES_HEADER + mention.code, task.CODES_HEADER + mention.near_miss)
+
+    result = _score(examples, swap_first_code)
+    n_mentions = sum(len(ex.mentions) for ex in examples)
+    assert result["near_miss_acc"] == pytest.approx((n_mentions - len(examples)) / n_mentions, abs=1e-4)
+    assert result["region_acc"] == 1.0
+    assert result["code_precision"] < 1.0 and result["code_recall"] < 1.0
+
+
+def test_naming_a_candidate_that_is_not_a_near_miss_fails_near_miss_acc(examples):
+    def name_a_distractor(ex):
+        mention = ex.mentions[0]
+        near_misses = set(load_universe().near_misses(mention.code))
+        distractor = next(c for c in ex.candidates if c not in near_misses and c != mention.code)
+        return ex.output.replace(f"near-miss {mention.near_miss} ", f"near-miss {distractor} ", 1)
+
+    result = _score(examples, name_a_distractor)
+    assert result["near_miss_acc"] < 1.0 and result["code_f1"] == 1.0
+
+
+def test_malformed_output_scores_zero(examples):
+    result = _score(examples, lambda ex: "garbage\n")
+    assert result["code_f1"] == result["region_acc"] == result["near_miss_acc"] == 0.0
