@@ -120,3 +120,39 @@ def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data
     torch.testing.assert_close(effects, head_ablation_effects(bridge, batch, means), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="another run"):
         ablation_sweep(bridge, batch.of_kind("within"), means, path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def region_batch(planted):
+    from conftest import encode_all
+    from mistill_lens.events import make_event_batch
+    from planted import planted_examples
+    _, tokenizer = planted
+    return make_event_batch(encode_all(tokenizer, planted_examples(60, seed=4))).of_kind("region")
+
+
+def test_early_elicitation_reads_the_region_only_where_it_is_in_the_stream(planted, region_batch):
+    """At r-1 ("=") the region appears after layer 0 (the deciding heads write it); at r-2 it is
+    the mention token itself; from r-3 on nothing in the stream names it."""
+    from mistill_lens.elicitation import elicitation_curve, elicitation_lead
+    from mistill_lens.events import candidate_token_ids
+    bridge, tokenizer = planted
+    curve = elicitation_curve(bridge, region_batch, candidate_token_ids(tokenizer, r"R\d"), ks=range(1, 6), seed=0)
+    accuracy = curve.set_index(["method", "k", "stage"])["accuracy"]
+    # the logit lens is exact here; the probe (42 training rows, 128 dimensions) nearly so
+    for method, at_least in (("logit_lens", 1.0), ("probe", 0.8)):
+        assert accuracy[method, 1, 0] < 0.5 and min(accuracy[method, 1, 1], accuracy[method, 1, 2]) >= at_least
+        assert min(accuracy[method, 2, s] for s in range(3)) >= at_least
+        assert max(accuracy[method, k, s] for k in (3, 4, 5) for s in range(3)) < 0.5
+        assert elicitation_lead(curve, method) == 2
+    assert set(curve.n_held_out) == {18} and set(curve.n_train) == {42}  # held out by example, 30%
+
+
+def test_carrying_heads_are_the_ones_that_write_the_region(planted, region_batch):
+    from mistill_lens.elicitation import carrying_heads, top_heads
+    bridge, _ = planted
+    at_decision = carrying_heads(bridge, region_batch, k=1, stage=2)
+    assert set(top_heads(at_decision, 2)) == {DECIDER, GENERIC}
+    assert at_decision[0, 2:].abs().max() < 1e-3 and at_decision[1].abs().max() < 1e-3
+    at_mention = carrying_heads(bridge, region_batch, k=2, stage=2)
+    assert at_mention.max() < 0.2 * at_decision.max()  # the mention token is read from its embedding
