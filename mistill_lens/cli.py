@@ -10,22 +10,31 @@ from pathlib import Path
 
 
 def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: bool = False) -> None:
+    """--universe-size, --k, --max-mentions; for a trained model they default to its training values."""
     from mistill_lens import task
     from mistill_lens.icd import DEFAULT_UNIVERSE_SIZE
 
-    note = " (default: the model's training value)" if defaults_from_model else ""
-    parser.add_argument("--universe-size", type=int, default=None if defaults_from_model else DEFAULT_UNIVERSE_SIZE,
-                        help=f"codes in the label universe, up to 12536{note or f' (default {DEFAULT_UNIVERSE_SIZE})'}")
-    parser.add_argument("--k", type=int, default=None if defaults_from_model else task.DEFAULT_K,
-                        help=f"candidates in context{note or f' (default {task.DEFAULT_K})'}")
-    parser.add_argument("--max-mentions", type=int, default=None if defaults_from_model else task.DEFAULT_MAX_MENTIONS,
-                        help=f"most conditions per summary, 1-4{note or f' (default {task.DEFAULT_MAX_MENTIONS})'}")
+    options = (
+        ("--universe-size", DEFAULT_UNIVERSE_SIZE, "codes in the label universe, up to 12536"),
+        ("--k", task.DEFAULT_K, "candidates in context"),
+        ("--max-mentions", task.DEFAULT_MAX_MENTIONS, "most conditions per summary, 1-4"),
+    )
+    for flag, default, description in options:
+        if defaults_from_model:
+            parser.add_argument(flag, type=int, default=None, help=f"{description} (default: the model's training value)")
+        else:
+            parser.add_argument(flag, type=int, default=default, help=f"{description} (default {default})")
 
 
 def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> dict:
-    model_config = model_config or {}
+    """Task options from the command line, else the model's training values, else the defaults."""
+    from mistill_lens import task
+    from mistill_lens.icd import DEFAULT_UNIVERSE_SIZE
+
+    fallback = {"universe_size": DEFAULT_UNIVERSE_SIZE, "k": task.DEFAULT_K,
+                "max_mentions": task.DEFAULT_MAX_MENTIONS, **(model_config or {})}
     return {
-        name: getattr(args, name) if getattr(args, name) is not None else model_config[name]
+        name: getattr(args, name) if getattr(args, name) is not None else fallback[name]
         for name in ("universe_size", "k", "max_mentions")
     }
 
@@ -87,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="write task examples with their gold decision events as JSONL")
     data.add_argument("--n", type=int, required=True, help="number of examples")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="example stream seed (default 0)")
     data.add_argument("--split", choices=SPLITS, default="train")
     data.add_argument("--out", required=True, help="output .jsonl file")
     _add_task_options(data)
@@ -96,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from scratch on the coding task (resumable)")
     train.add_argument("--role", choices=["teacher"], default="teacher")
     train.add_argument("--out", required=True, help="checkpoint folder; rerun the same command to resume")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     train.add_argument("--steps", type=int, default=3000)
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--lr", type=float, default=1e-3)
@@ -110,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", help="greedy-decode a split and print the task metrics as JSON")
     evaluate.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
     evaluate.add_argument("--split", choices=SPLITS, default="heldout")
-    evaluate.add_argument("--n", type=int, default=200)
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--n", type=int, default=200, help="examples to decode (default 200)")
+    evaluate.add_argument("--seed", type=int, default=0, help="example stream seed (default 0)")
     evaluate.add_argument("--save-outputs", default=None, help="also write the generations to this .jsonl")
     _add_task_options(evaluate, defaults_from_model=True)
     evaluate.set_defaults(func=cmd_evaluate)
