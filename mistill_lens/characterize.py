@@ -1,0 +1,273 @@
+"""The characterisation pipeline behind `mistill-lens characterize`.
+
+From a hooked model and task examples with gold events: exact ablation sweeps of every head on
+every decided event and on matched null events, attribution (and its rank correlation with exact
+ablation), null calibration, the circuit per kind and its necessity / sufficiency / knock-in with
+coverage, phase structure, head families, early elicitation and the figures. Everything is a
+deterministic function of the model, the examples and the seed.
+
+Files written to the output folder: `sweep.csv`, `sweep_null.csv` (resumable), `attribution.csv`,
+`calibration.csv`, `events.csv` (per-event circuit measures), `families.csv`, `elicitation.csv`,
+`ablation_curve.csv`, `heads.json`, `summary.json` and `figures/*.html`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from mistill_lens import plot
+from mistill_lens.calibration import Calibration, calibrate, null_events
+from mistill_lens.circuits import (
+    ablation_curve, attention_mass, circuit_report, family_targets, head_families, phase_structure, select_circuit,
+)
+from mistill_lens.elicitation import carrying_heads, elicitation_curve, elicitation_lead, top_heads
+from mistill_lens.events import DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, make_event_batch
+from mistill_lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
+from mistill_lens.sweep import ablation_sweep, clean_margins, effects_tensor
+
+REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
+
+
+@dataclass
+class CharacterizeConfig:
+    seed: int = 0
+    null_per_event: int = 1
+    z_min: float = 3.0
+    rel_min: float = 0.1
+    max_heads_per_kind: int | None = None
+    thresholds: dict[str, float] = field(default_factory=lambda: {"necessity": 0.5, "sufficiency": 0.5, "knock_in": 0.5})
+    ks: tuple[int, ...] = tuple(range(1, 9))
+    elicitation_threshold: float = 0.5
+    min_margin: float = 0.0
+    attribution_batch_size: int = 8
+    progress: bool = True
+
+
+def task_near_miss(example: Any, event: DecisionEvent) -> str | None:
+    """The near-miss code named for this event's mention, for task examples that record mentions."""
+    mentions = getattr(example, "mentions", None)
+    return mentions[event.mention].near_miss if mentions and 0 <= event.mention < len(mentions) else None
+
+
+def encode(examples: Sequence[Any], tokenizer, first_id: int = 0) -> list[EncodedExample]:
+    return [events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)]
+
+
+def reference_means(model, reference: Sequence[EncodedExample], null_per_event: int, seed: int, pad_token_id: int) -> HeadMeans:
+    """Exact per-class means from real runs on separate reference examples: one class per event
+    kind (at its predicting position) plus the null class."""
+    events = [e for x in reference for e in x.events]
+    nulls = null_events(reference, events, per_event=null_per_event, seed=seed)
+    return means_from_events(model, make_event_batch(reference, events + nulls, pad_token_id))
+
+
+def chunked_attribution(model, batch: EventBatch, means: HeadMeans, batch_size: int) -> Float[Tensor, "event layer head"]:
+    """Attribution scores, one forward + backward per chunk of events (memory stays bounded)."""
+    return torch.cat([
+        attribution_scores(model, batch.select(range(s, min(s + batch_size, len(batch)))), means)
+        for s in range(0, len(batch), batch_size)
+    ])
+
+
+def rank_correlation(a: Tensor, b: Tensor) -> float:
+    """Spearman correlation of two flat tensors (average ranks for ties)."""
+    ranks = pd.DataFrame({"a": a.flatten().tolist(), "b": b.flatten().tolist()}).rank()
+    return float(ranks["a"].corr(ranks["b"]))
+
+
+def heads_json(calibration: Calibration, circuits: Mapping[str, list[Head]]) -> dict:
+    def describe(kind: str, heads: list[Head]) -> list[dict]:
+        rows = []
+        for layer, head in heads:
+            entry = {"layer": layer, "head": head}
+            for k in ([kind] if kind != "all" else calibration.kinds):
+                i = calibration.kind_index(k)
+                prefix = "" if kind != "all" else f"{k}_"
+                entry.update({f"{prefix}z": float(calibration.z[i, layer, head]),
+                              f"{prefix}above_null": float(calibration.above_null[i, layer, head]),
+                              f"{prefix}raw": float(calibration.raw[i, layer, head])})
+            entry.update(null_mean=float(calibration.null_mean[layer, head]), null_std=float(calibration.null_std[layer, head]))
+            rows.append(entry)
+        return rows
+    return {kind: describe(kind, heads) for kind, heads in circuits.items()}
+
+
+def characterize(
+    model,
+    tokenizer,
+    examples: Sequence[Any],
+    reference_examples: Sequence[Any],
+    out_dir: Path,
+    config: CharacterizeConfig = CharacterizeConfig(),
+    region_candidates: Sequence[int] | None = None,
+    near_miss_text: Callable[[Any, DecisionEvent], str | None] = task_near_miss,
+) -> dict:
+    """Run the whole characterisation and write its files to `out_dir`; returns the summary.
+
+    `examples` / `reference_examples` carry `prompt`, `output` and gold `events`; means come from
+    the reference runs. `region_candidates` (token ids) default to every token chosen or
+    contrasted at a region event here.
+    """
+    torch.manual_seed(config.seed)
+    out_dir = Path(out_dir)
+    (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    encoded = encode(examples, tokenizer)
+    reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
+    means = reference_means(model, reference, config.null_per_event, config.seed, pad)
+
+    every_event = make_event_batch(encoded, pad_token_id=pad)
+    decided = decided_rows(clean_margins(model, every_event), config.min_margin)
+    if len(decided) == 0:
+        raise ValueError(f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise")
+    batch = every_event.select(decided)
+    nulls = make_event_batch(encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad)
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+
+    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", progress=config.progress)
+    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", progress=config.progress)
+    exact = effects_tensor(sweep, len(batch), n_layers, n_heads)
+    null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
+    attribution = chunked_attribution(model, batch, means, config.attribution_batch_size)
+    pd.DataFrame([
+        {"event_row": e, "kind": batch.kinds[e], "layer": l, "head": h,
+         "attribution": float(attribution[e, l, h]), "exact": float(exact[e, l, h])}
+        for e in range(len(batch)) for l in range(n_layers) for h in range(n_heads)
+    ]).to_csv(out_dir / "attribution.csv", index=False)
+
+    calibration = calibrate(exact, batch.kinds, null_exact)
+    calibration.to_frame().to_csv(out_dir / "calibration.csv", index=False)
+    circuits = select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
+    circuit = circuits["all"]
+    (out_dir / "heads.json").write_text(json.dumps(heads_json(calibration, circuits), indent=2))
+
+    summary: dict[str, Any] = {
+        "circuit_size": len(circuit), "n_heads_total": n_layers * n_heads,
+        "circuit": [list(h) for h in circuit],
+        "n_examples": len(encoded), "n_events": len(every_event), "n_decided_events": len(batch),
+        "n_null_events": len(nulls), "thresholds": config.thresholds,
+        "attribution_vs_ablation_spearman": {
+            "all": rank_correlation(attribution, exact),
+            **{k: rank_correlation(attribution[[i for i, x in enumerate(batch.kinds) if x == k]],
+                                   exact[[i for i, x in enumerate(batch.kinds) if x == k]]) for k in calibration.kinds},
+        },
+        "phase_structure": phase_structure(calibration, circuits),
+    }
+    per_kind = {kind: {"necessity": None, "sufficiency": None, "knock_in": None, "coverage": None,
+                       "n_events": batch.kinds.count(kind), "circuit": [list(h) for h in circuits[kind]]}
+                for kind in calibration.kinds}
+    if circuit:
+        report = circuit_report(model, batch, means, circuit, seed=config.seed)
+        report.to_frame().to_csv(out_dir / "events.csv", index=False)
+        for kind, measures in report.summary(config.thresholds).items():
+            per_kind[kind].update(measures)
+    summary.update(per_kind)  # per kind at the top level: summary["region"]["necessity"]
+
+    by_id = {x.example_id: x for x in encoded}
+    targets = [family_targets(by_id[e.example_id], e, near_miss_text(examples[e.example_id], e)) for e in batch.events]
+    families_table = pd.DataFrame()
+    if targets:
+        masses = {family: attention_mass(model, batch, [t[family] for t in targets]) for family in targets[0]}
+        baselines = {family: torch.tensor([len(t[family]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)])
+                     for family in masses}
+        families_table = head_families(masses, batch.kinds, all_heads(model), baselines)
+        families_table.to_csv(out_dir / "families.csv", index=False)
+        in_circuit = families_table[[(l, h) in set(circuit) for l, h in zip(families_table.layer, families_table["head"])]]
+        summary["families"] = {f"L{l}H{h}/{k}": fam for k, l, h, fam in
+                               zip(in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family)}
+
+    summary["elicitation"] = _elicitation(model, batch, circuits.get("region", []), region_candidates, config, out_dir)
+
+    ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
+    curve = ablation_curve(model, batch, means, ranked, seed=config.seed)
+    curve.to_csv(out_dir / "ablation_curve.csv", index=False)
+
+    figures = out_dir / "figures"
+    plot.write_figure(plot.head_map_figure(calibration), figures / "head_maps.html")
+    plot.write_figure(plot.ablation_curve_figure(curve), figures / "ablation_curve.html")
+    if len(families_table):
+        plot.write_figure(plot.attention_families_figure(families_table), figures / "attention_families.html")
+    elicitation_path = out_dir / "elicitation.csv"
+    if elicitation_path.exists():
+        plot.write_figure(plot.elicitation_figure(pd.read_csv(elicitation_path)), figures / "elicitation.html")
+
+    summary["config"] = asdict(config)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candidates, config: CharacterizeConfig, out_dir: Path) -> dict:
+    """Readout curve, lead in tokens, and the early head set vs the late (region circuit) set."""
+    regions = batch.of_kind("region") if "region" in batch.kinds else None
+    if regions is None or len({e.example_id for e in regions.events}) < 4:
+        return {"skipped": "fewer than 4 examples with a decided region event"}
+    candidates = region_candidates or sorted({int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]})
+    curve = elicitation_curve(model, regions, candidates, config.ks, seed=config.seed)
+    curve.to_csv(out_dir / "elicitation.csv", index=False)
+    lead = {method: elicitation_lead(curve, method, config.elicitation_threshold) for method in ("probe", "logit_lens")}
+    # the earliest position still readable (at least 2: k=1 is the decision position itself)
+    k_early = max(2, lead["probe"])
+    at_k = curve[(curve.method == "probe") & (curve.k == k_early)]
+    if at_k.empty:
+        return {"lead": lead, "curve": "elicitation.csv"}
+    stage = int(at_k.loc[at_k["accuracy"].idxmax(), "stage"])
+    drops = carrying_heads(model, regions, k_early, stage, seed=config.seed)
+    early = [h for h in top_heads(drops, max(1, len(late_heads))) if float(drops[h]) > 0]
+    union = set(early) | set(late_heads)
+    return {
+        "lead": lead, "k_early": k_early, "stage": stage, "stage_name": at_k.loc[at_k["accuracy"].idxmax(), "stage_name"],
+        "accuracy_at_k_early": float(at_k["accuracy"].max()),
+        "early_heads": [list(h) for h in early], "late_heads": [list(h) for h in late_heads],
+        "early_late_overlap": len(set(early) & set(late_heads)) / len(union) if union else None,
+        "early_mean_layer": sum(l for l, _ in early) / len(early) if early else None,
+        "late_mean_layer": sum(l for l, _ in late_heads) / len(late_heads) if late_heads else None,
+    }
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_characterize_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `characterize` on an argparse subparsers object; returns the new parser."""
+    parser = subparsers.add_parser("characterize", help="find and test the deciding heads of a model (writes tables, heads.json, summary.json, figures)")
+    parser.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
+    parser.add_argument("--n", type=int, default=40, help="examples to characterise")
+    parser.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", default="validation", help="task split to draw examples from")
+    parser.add_argument("--out", required=True, help="output folder (rerun to resume the sweeps)")
+    parser.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
+    parser.add_argument("--null-per-event", type=int, default=1)
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | None = None) -> dict:
+    """The `characterize` command: load the model and task examples, run `characterize`, print the summary."""
+    from mistill_lens import task
+    from mistill_lens.models import load_model
+
+    bridge, tokenizer = load_model(args.model)
+    task_config = dict(task_config or {})
+    examples = task.generate_examples(args.n, args.seed, args.split, **task_config)
+    # reference runs for the means: a different seed of the same split, so no example is reused
+    reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
+    config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
+                                progress=not args.no_progress)
+    summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config)
+    summary["command"] = "mistill-lens " + shlex.join(sys.argv[1:])
+    summary["model"] = str(args.model)
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit")}))
+    return summary
