@@ -238,21 +238,6 @@ def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candid
 # --- command line ------------------------------------------------------------------------------
 
 
-def add_characterize_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `characterize` on an argparse subparsers object; returns the new parser."""
-    parser = subparsers.add_parser("characterize", help="find and test the deciding heads of a model (writes tables, heads.json, summary.json, figures)")
-    parser.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
-    parser.add_argument("--n", type=int, default=40, help="examples to characterise")
-    parser.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", default="validation", help="task split to draw examples from")
-    parser.add_argument("--out", required=True, help="output folder (rerun to resume the sweeps)")
-    parser.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
-    parser.add_argument("--null-per-event", type=int, default=1)
-    parser.add_argument("--no-progress", action="store_true")
-    return parser
-
-
 def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | None = None) -> dict:
     """The `characterize` command: load the model and task examples, run `characterize`, print the summary."""
     from mistill_lens import task

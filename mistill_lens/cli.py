@@ -85,6 +85,13 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
     print(json.dumps({"out": args.out}))
 
 
+def cmd_characterize(args: argparse.Namespace) -> None:
+    from mistill_lens.characterize import run_characterize
+    from mistill_lens.models import read_metadata
+
+    run_characterize(args, _task_config(args, read_metadata(args.model).get("config")))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mistill_lens.task import SPLITS
 
@@ -128,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     tokenizers = sub.add_parser("build-tokenizers", help="rebuild the shipped teacher and student tokenizers")
     tokenizers.add_argument("--out", default=str(Path(__file__).parent / "assets"))
     tokenizers.set_defaults(func=cmd_build_tokenizers)
+
+    characterize = sub.add_parser(
+        "characterize", help="find and test the deciding heads (sweep tables, heads.json, summary.json, figures)")
+    characterize.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
+    characterize.add_argument("--n", type=int, default=40, help="examples to characterise (default 40)")
+    characterize.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n)")
+    characterize.add_argument("--seed", type=int, default=0, help="example and null-event seed (default 0)")
+    characterize.add_argument("--split", choices=SPLITS, default="validation")
+    characterize.add_argument("--out", required=True, help="output folder; rerun the same command to resume the sweeps")
+    characterize.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
+    characterize.add_argument("--null-per-event", type=int, default=1, help="null events drawn per real event")
+    characterize.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_task_options(characterize, defaults_from_model=True)
+    characterize.set_defaults(func=cmd_characterize)
     return parser
 
 
