@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     characterize.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_task_options(characterize, defaults_from_model=True)
     characterize.set_defaults(func=cmd_characterize)
+
+    from mistill_lens.distill.pipeline import add_distill_parsers
+
+    add_distill_parsers(sub)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""The ``distill`` and ``distill-report`` commands: teacher generations (cached), the teacher's
+characterised head set (cached), training, then evaluation of the student.
+
+Heavy modules are imported inside the commands so that building the parser stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
+
+TASK_KEYS = ("universe_size", "k", "max_mentions")
+
+
+def teacher_task_config(teacher_dir: Path) -> dict:
+    from mistill_lens.models import read_metadata
+
+    config = read_metadata(teacher_dir).get("config", {})
+    missing = [k for k in TASK_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"teacher {teacher_dir} records no task configuration ({missing}) in its mistill.json")
+    return {k: config[k] for k in TASK_KEYS}
+
+
+def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config: dict, cache_dir: Path,
+                     n: int, progress: bool) -> Path:
+    """``heads.json`` of the teacher's characterisation on validation examples (run once, cached)."""
+    from mistill_lens import task
+    from mistill_lens.characterize import CharacterizeConfig, characterize
+    from mistill_lens.distill.data import weights_digest
+
+    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-characterization"
+    heads = out / "heads.json"
+    if not heads.is_file():
+        examples = task.generate_examples(n, 0, "validation", **task_config)
+        reference = task.generate_examples(n, 1, "validation", **task_config)
+        characterize(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(progress=progress))
+    return heads
+
+
+def run_distill(args: argparse.Namespace) -> dict:
+    from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
+    from mistill_lens.distill.data import teacher_generations, weights_digest
+    from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
+    from mistill_lens.distill.training import DistillConfig, distill
+    from mistill_lens.models import load_model, resolve
+
+    teacher_dir = resolve(args.teacher)
+    out = Path(args.out)
+    cache = Path(args.cache) if args.cache else out.parent / "distill_cache"
+    task_config = teacher_task_config(teacher_dir)
+    progress = not args.no_progress
+    teacher, teacher_tokenizer = load_model(teacher_dir)
+    heads_path = Path(args.teacher_heads) if args.teacher_heads else teacher_circuits(
+        teacher, teacher_tokenizer, teacher_dir, task_config, cache, args.characterize_n, progress)
+    heads_by_kind = teacher_head_sets(read_heads_json(heads_path))
+    examples = teacher_generations(teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress)
+    layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
+    config = DistillConfig(
+        family=args.student, objective=args.objective, precision=args.precision, seed=args.seed, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, attention_weight=args.attention_weight, n_layer=args.n_layer,
+        n_head=args.n_head, n_embd=args.n_embd, student_layers=layers, checkpoint_every=args.checkpoint_every,
+        teacher=weights_digest(teacher_dir), n_train=args.n_train, data_seed=args.data_seed,
+    )
+    command = "mistill-lens " + shlex.join(sys.argv[1:])
+    n_events = sum(len(e.events) for e in examples)
+    metadata = distill(config, teacher, teacher_tokenizer, examples, heads_by_kind, out, command=command,
+                       extra_metadata={"teacher_dir": str(teacher_dir), "teacher_heads_file": str(heads_path),
+                                       "teacher_events": n_events, "task": task_config},
+                       progress=progress)
+    result = {k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")}
+    if args.n_eval > 0:
+        previous = out / EVALUATION_FILE
+        done = json.loads(previous.read_text()) if previous.is_file() else {}
+        if done.get("steps") != metadata["step"] or done.get("n_eval") != args.n_eval:
+            done = evaluate_run(out, task_config, n_eval=args.n_eval, n_characterize=args.characterize_n,
+                                progress=progress)
+        result.update({k: done.get(k) for k in ("causal_recovery", "code_f1", "near_miss_acc")})
+    print(json.dumps(result))
+    return result
+
+
+def add_distill_parsers(sub) -> None:
+    """Register ``distill`` and ``distill-report`` on an argparse subparsers object."""
+    parser = sub.add_parser("distill", help="distil the teacher into a student (CoT or MISTILL; resumable), then evaluate it")
+    parser.add_argument("--teacher", default="default", help="teacher checkpoint folder, or 'default'")
+    parser.add_argument("--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family")
+    parser.add_argument("--objective", choices=OBJECTIVES, required=True)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32-master")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="student checkpoint folder; rerun the same command to resume")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--attention-weight", type=float, default=1.0, help="lambda of the attention loss (mistill)")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=96)
+    parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: upper half)")
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--n-train", type=int, default=256, help="training prompts the teacher answers (distillation data)")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the training prompts (shared by all runs)")
+    parser.add_argument("--teacher-heads", default=None, help="heads.json of a teacher characterisation (default: characterise it once, cached)")
+    parser.add_argument("--cache", default=None, help="folder for teacher generations and characterisation (default: OUT/../distill_cache)")
+    parser.add_argument("--n-eval", type=int, default=50, help="held-out examples for code_f1 / near_miss_acc (0: skip evaluation)")
+    parser.add_argument("--characterize-n", type=int, default=24, help="examples for each characterisation")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run_distill)
+
+    report = sub.add_parser("distill-report", help="table and figure over distillation runs; prints a JSON summary last")
+    report.add_argument("--runs", nargs="+", required=True, help="student run folders (each with evaluation.json)")
+    report.add_argument("--out", required=True)
+    report.set_defaults(func=run_report)
+
+
+def run_report(args: argparse.Namespace) -> dict:
+    from mistill_lens.distill.report import write_report
+
+    summary = write_report(args.runs, args.out)
+    print(json.dumps(summary))
+    return summary

@@ -1,0 +1,91 @@
+"""The results table over runs: per student family x objective x precision, mean and std over
+seeds of causal recovery and task accuracy, with a plotly figure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from mistill_lens.distill.evaluation import EVALUATION_FILE
+from mistill_lens.plot import write_figure
+
+CELL = ["family", "objective", "precision"]
+METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
+EXTRA = ["recovery_ablation", "recovery_knock_in", "train_time_s"]
+
+
+def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    rows = []
+    for run in run_dirs:
+        path = Path(run) / EVALUATION_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{run} has no {EVALUATION_FILE}: run `mistill-lens distill` on it to completion")
+        rows.append(json.loads(path.read_text()))
+    if not rows:
+        raise ValueError("no runs given")
+    return pd.DataFrame(rows)
+
+
+def summarise(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell: n seeds, and mean / std (over seeds; 0 for a single seed) of each metric."""
+    columns = [c for c in METRICS + EXTRA if c in frame]
+    numeric = frame[CELL + ["seed"] + columns].copy()
+    numeric[columns] = numeric[columns].astype(float)
+    grouped = numeric.groupby(CELL, sort=True)
+    table = grouped[columns].agg(["mean", "std"])
+    table.columns = [f"{metric}_{stat}" for metric, stat in table.columns]
+    table = table.fillna({c: 0.0 for c in table.columns if c.endswith("_std")})
+    table.insert(0, "seeds", grouped["seed"].apply(lambda s: ",".join(str(int(x)) for x in sorted(s))))
+    table.insert(0, "n_seeds", grouped["seed"].nunique())
+    return table.reset_index()
+
+
+def report_json(table: pd.DataFrame) -> dict:
+    out = {}
+    for _, row in table.iterrows():
+        key = "/".join(str(row[c]) for c in CELL)
+        out[key] = {"n_seeds": int(row["n_seeds"]),
+                    **{f"{m}_{s}": (None if pd.isna(row[f"{m}_{s}"]) else round(float(row[f"{m}_{s}"]), 4))
+                       for m in METRICS for s in ("mean", "std")}}
+    return out
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    def cell(value) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def report_figure(table: pd.DataFrame) -> go.Figure:
+    """Per metric: bars per family/precision, CoT vs MISTILL side by side, std over seeds as error bars."""
+    fig = make_subplots(rows=1, cols=len(METRICS), subplot_titles=METRICS)
+    for objective, color in (("cot", "#7f7f7f"), ("mistill", "#d62728")):
+        rows = table[table.objective == objective]
+        labels = [f"{f}/{p}" for f, p in zip(rows.family, rows.precision)]
+        for col, metric in enumerate(METRICS, start=1):
+            fig.add_trace(go.Bar(
+                x=labels, y=rows[f"{metric}_mean"], name=objective, legendgroup=objective, showlegend=col == 1,
+                marker_color=color, error_y=dict(type="data", array=rows[f"{metric}_std"].tolist()),
+            ), row=1, col=col)
+    fig.update_layout(barmode="group", title="MISTILL vs CoT distillation (mean ± std over seeds)", height=420, width=1200)
+    return fig
+
+
+def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
+    """Write ``runs.csv``, ``table.csv``, ``table.md`` and ``figure.html``; returns the JSON summary."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = load_evaluations(run_dirs)
+    frame.to_csv(out_dir / "runs.csv", index=False)
+    table = summarise(frame)
+    table.to_csv(out_dir / "table.csv", index=False)
+    (out_dir / "table.md").write_text(markdown_table(table))
+    write_figure(report_figure(table), out_dir / "figure.html")
+    return report_json(table)

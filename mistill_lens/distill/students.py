@@ -1,0 +1,76 @@
+"""Student models: a cross-family Llama (student tokenizer) and a same-family smaller GPT-2
+(the teacher's tokenizer), trained as Hugging Face models and wrapped in TransformerBridge.
+
+TransformerBridge adapts the Hugging Face module in place (its state-dict keys change), so a
+checkpoint is written from a fresh model of the same config loaded with the trained tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from mistill_lens.distill import FAMILIES, PRECISIONS
+from mistill_lens.models import teacher_config
+from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
+
+BRIDGE_KEY_PART = "._original_component"
+
+
+def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """The cross-family student uses the other tokenizer; the same-family one shares the teacher's."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown student family {family!r}; expected one of {FAMILIES}")
+    return student_tokenizer() if family == "llama" else teacher_tokenizer()
+
+
+def student_config(
+    family: str, vocab_size: int, eos_token_id: int, *, n_layer: int, n_head: int, n_embd: int,
+    n_kv_head: int | None = None, n_ctx: int = 1024,
+):
+    if family == "llama":
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=int(8 * n_embd / 3 + 7) // 8 * 8,
+            num_hidden_layers=n_layer, num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head or max(1, n_head // 2),  # grouped KV heads
+            max_position_embeddings=n_ctx, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
+            tie_word_embeddings=True, attention_dropout=0.0,
+            bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+        )
+    if family == "gpt2":
+        return teacher_config(vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_ctx,
+                              eos_token_id=eos_token_id)
+    raise ValueError(f"unknown student family {family!r}; expected one of {FAMILIES}")
+
+
+def build_student(config, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = (LlamaForCausalLM if isinstance(config, LlamaConfig) else GPT2LMHeadModel)(config)
+    model.config._attn_implementation = "eager"  # the bridge computes attention itself; keep HF consistent
+    return model
+
+
+def context_length(model: PreTrainedModel) -> int:
+    return int(model.config.max_position_embeddings)
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """Weight dtype: bf16 weights, or fp32 master weights (compute under bf16 autocast)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "fp32-master")
+
+
+def exportable(bridged: PreTrainedModel) -> PreTrainedModel:
+    """A plain Hugging Face model with the bridged model's current weights (for save_pretrained)."""
+    fresh = type(bridged)(bridged.config).to(bridged.dtype)
+    trained = {key.replace(BRIDGE_KEY_PART, ""): value for key, value in bridged.state_dict().items()}
+    missing = [key for key in fresh.state_dict() if key not in trained]
+    if missing:
+        raise KeyError(f"bridged student lacks weights {missing[:4]}")
+    fresh.load_state_dict({key: trained[key] for key in fresh.state_dict()})
+    return fresh.eval()

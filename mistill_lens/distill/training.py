@@ -1,0 +1,216 @@
+"""Student training: CoT loss on the teacher's outputs + lambda x attention loss at decision events.
+
+The CoT baseline is the same code with lambda = 0: the attention loss is still computed (and
+logged, so both objectives report how far the student's attention is from the target) but
+weighted by zero, so data, order, seeds and updates are those of the CoT run exactly. The
+teacher is only read, under ``no_grad``, to build the targets before training starts.
+Resumable like :func:`mistill_lens.train.train`: weights, optimizer state and step are written
+atomically every ``checkpoint_every`` steps and at the end; rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mistill_lens import task
+from mistill_lens.distill import OBJECTIVES
+from mistill_lens.distill.attention import (
+    DistillItem, attention_kl, collate_items, heads_in_layers, pattern_recorder, pooled_attention, student_item,
+)
+from mistill_lens.distill.students import (
+    autocast, build_student, context_length, exportable, family_tokenizer, precision_dtype, student_config,
+)
+from mistill_lens.hooks import Head, validate_heads
+from mistill_lens.models import CheckpointError, load_hf_model, save_checkpoint, to_bridge
+from mistill_lens.train import TRAINING_STATE_FILE, encode, learning_rate, output_loss
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    family: str = "llama"
+    objective: str = "mistill"
+    precision: str = "fp32-master"
+    seed: int = 0
+    steps: int = 300
+    batch_size: int = 4
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    attention_weight: float = 1.0  # lambda for the mistill objective (cot: always 0)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 96
+    n_kv_head: int | None = None
+    student_layers: tuple[int, ...] | None = None  # heads pooled in the student; None: the upper half
+    n_ctx: int = 1024
+    checkpoint_every: int = 100
+    teacher: str = ""  # weights digest: a resumed run must use the same teacher and data
+    n_train: int = 0
+    data_seed: int = 0
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
+        precision_dtype(self.precision)
+        family_tokenizer(self.family)
+
+    @property
+    def effective_weight(self) -> float:
+        return self.attention_weight if self.objective == "mistill" else 0.0
+
+    def student_heads(self) -> list[Head]:
+        layers = self.student_layers if self.student_layers is not None else range(self.n_layer // 2, self.n_layer)
+        return heads_in_layers(self.n_head, list(layers))
+
+
+def distillation_items(
+    examples: Sequence[task.Example], teacher, teacher_tokenizer, student_tokenizer,
+    heads_by_kind: Mapping[str, Sequence[Head]], n_ctx: int,
+) -> tuple[list[DistillItem], int]:
+    """Items for every example that fits the student's context, and how many did not fit."""
+    items, too_long = [], 0
+    for index, example in enumerate(examples):
+        if len(encode(student_tokenizer, example.prompt, example.output)[0]) > n_ctx:
+            too_long += 1
+            continue
+        items.append(student_item(example, index, teacher, teacher_tokenizer, student_tokenizer, heads_by_kind, n_ctx))
+    if not items:
+        raise ValueError(f"none of the {len(examples)} distillation examples fits the student's {n_ctx}-token context")
+    return items, too_long
+
+
+def batch_indices(step: int, batch_size: int, n_items: int, seed: int) -> list[int]:
+    """Item indices of a step: a fresh seeded permutation per epoch, so order depends on (seed, step) only."""
+    indices = []
+    for slot in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(slot, n_items)
+        order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        indices.append(int(order[offset]))
+    return indices
+
+
+def student_losses(student_hf, student_bridge, batch, heads: Sequence[Head], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CoT loss, attention loss) of one batch from one forward pass of the bridged student."""
+    store: dict[int, torch.Tensor] = {}
+    with student_bridge.hooks(fwd_hooks=pattern_recorder([layer for layer, _ in heads], store)), autocast(precision):
+        cot = output_loss(student_hf, batch.ids, batch.attention, batch.targets)
+        pooled = pooled_attention(store, heads, batch.query_positions)
+    return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)
+
+
+def _resume(out_dir: Path, config: DistillConfig):
+    state_path = out_dir / TRAINING_STATE_FILE
+    if not state_path.is_file():
+        return None
+    state = torch.load(state_path, weights_only=False)
+    saved = DistillConfig(**{**state["config"], "student_layers": _tuple(state["config"]["student_layers"])})
+    if saved != config:
+        differing = [f.name for f in fields(DistillConfig) if getattr(saved, f.name) != getattr(config, f.name)]
+        raise CheckpointError(
+            f"{out_dir} holds a distillation run with a different configuration ({', '.join(differing)}); "
+            "use another --out or the same options"
+        )
+    model, _ = load_hf_model(out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager")
+    return model, state
+
+
+def _tuple(value):
+    return tuple(value) if value is not None else None
+
+
+def distill(
+    config: DistillConfig,
+    teacher,
+    teacher_tokenizer,
+    examples: Sequence[task.Example],
+    heads_by_kind: Mapping[str, Sequence[Head]],
+    out_dir: str | Path,
+    *,
+    command: str = "",
+    extra_metadata: Mapping | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train (or resume) a student on `examples` (prompts with the teacher's outputs and events).
+
+    `teacher` is a TransformerBridge, `heads_by_kind` its characterised head set per event kind.
+    Returns the metadata written next to the weights.
+    """
+    out_dir = Path(out_dir)
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    tokenizer = family_tokenizer(config.family)
+    dtype = precision_dtype(config.precision)
+    torch.manual_seed(config.seed)
+    resumed = _resume(out_dir, config)
+    if resumed is None:
+        hf_config = student_config(config.family, len(tokenizer), tokenizer.eos_token_id, n_layer=config.n_layer,
+                                   n_head=config.n_head, n_embd=config.n_embd, n_kv_head=config.n_kv_head,
+                                   n_ctx=config.n_ctx)
+        student = build_student(hf_config, config.seed).to(dtype)
+        step, elapsed, log = 0, 0.0, {"loss": [], "cot": [], "attention": []}
+    else:
+        student, state = resumed
+        step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
+    bridge = to_bridge(student, tokenizer, dtype=dtype)
+    bridge.train()
+    heads = validate_heads(bridge, config.student_heads())
+    items, too_long = distillation_items(examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind,
+                                         context_length(student))
+    parameters = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    if resumed is not None:
+        optimizer.load_state_dict(resumed[1]["optimizer"])
+    n_params = sum(p.numel() for p in parameters)
+    n_events = sum(len(item.query_positions) for item in items)
+
+    def checkpoint() -> dict:
+        metadata = {
+            "role": "student", "command": command, "config": asdict(config), "step": step,
+            "n_params": n_params, "train_time_s": round(elapsed, 1),
+            "final_loss": log["loss"][-1] if log["loss"] else None,
+            "final_cot_loss": log["cot"][-1] if log["cot"] else None,
+            "final_attention_loss": log["attention"][-1] if log["attention"] else None,
+            "n_items": len(items), "n_events": n_events, "n_too_long": too_long,
+            "student_heads": [list(h) for h in heads],
+            "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
+            "torch": torch.__version__, **dict(extra_metadata or {}),
+        }
+        state = {"config": asdict(config), "step": step, "elapsed_s": elapsed, "log": log,
+                 "optimizer": optimizer.state_dict()}
+        save_checkpoint(exportable(student), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        return metadata
+
+    metadata = None
+    bar = tqdm(total=config.steps, initial=step, desc=f"distill {config.family}/{config.objective}",
+               disable=not progress, file=sys.stderr)
+    while step < config.steps:
+        started = time.perf_counter()
+        batch = collate_items([items[i] for i in batch_indices(step, config.batch_size, len(items), config.seed)],
+                              tokenizer.pad_token_id)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        cot, attention = student_losses(student, bridge, batch, heads, config.precision)
+        loss = cot + config.effective_weight * attention
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"distillation loss became {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        elapsed += time.perf_counter() - started
+        for name, value in (("loss", loss), ("cot", cot), ("attention", attention)):
+            log[name].append(round(float(value), 5))
+        bar.update(1)
+        bar.set_postfix(cot=f"{cot.item():.3f}", att=f"{attention.item():.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            metadata = checkpoint()
+    bar.close()
+    return metadata if metadata is not None else checkpoint()

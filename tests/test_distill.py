@@ -1,0 +1,330 @@
+"""MISTILL: alignment properties, targets and loss, gradients, the lambda = 0 baseline, precision
+modes, bad input, and the evaluation / report path. Tiny random-init teachers and students only."""
+
+import json
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from transformers import ByT5Tokenizer, GPT2LMHeadModel
+
+from mistill_lens import task
+from mistill_lens.characterize import CharacterizeConfig
+from mistill_lens.distill.align import overlap_matrix, transfer_mass
+from mistill_lens.distill.attention import (
+    attention_kl, collate_items, pattern_recorder, pooled_attention, student_item, teacher_head_sets,
+)
+from mistill_lens.distill.data import as_generated, generation_events
+from mistill_lens.distill.evaluation import causal_recovery, evaluate_run
+from mistill_lens.distill.report import summarise, write_report
+from mistill_lens.distill.students import build_student, family_tokenizer, student_config
+import mistill_lens.distill.training as training_module
+from mistill_lens.distill.training import DistillConfig, distill, distillation_items, student_losses
+from mistill_lens.events import events_from_spans
+from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, teacher_config, to_bridge
+from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
+
+TASK = {"universe_size": 300, "k": 8, "max_mentions": 2}
+TEACHER_HEADS = {"region": [(1, 0)], "within": [(1, 1)], "near_miss": [(0, 1), (1, 0)], "all": [(0, 1), (1, 0), (1, 1)]}
+TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=100)
+
+
+@pytest.fixture(scope="module")
+def examples():
+    # gold outputs stand in for a perfect teacher's generations (the events then hold verbatim)
+    return [as_generated(e, e.output) for e in task.generate_examples(6, 0, "train", **TASK)]
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    tokenizer = teacher_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32,
+                                           eos_token_id=tokenizer.eos_token_id)).eval()
+    model.config._attn_implementation = "eager"
+    return to_bridge(model, tokenizer), tokenizer
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return [e.text for e in task.generate_examples(4, 1, "train", **TASK)]
+
+
+def run(config_overrides, teacher, examples, out, **kwargs):
+    bridge, tokenizer = teacher
+    config = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill", "steps": 3, **config_overrides})
+    return distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), out, progress=False, **kwargs)
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+# --- alignment -------------------------------------------------------------------------------
+
+
+def offsets(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+
+def char_level_transfer(mass, source, target):
+    """Brute force: spread each source token's mass evenly over its characters, then sum per target token."""
+    density = {}
+    for m, (s, e) in zip(mass.tolist(), source):
+        for c in range(s, e):
+            density[c] = density.get(c, 0.0) + m / (e - s)
+    return torch.tensor([sum(density.get(c, 0.0) for c in range(s, e)) for s, e in target], dtype=torch.float64)
+
+
+text_slices = st.tuples(st.integers(0, 3), st.integers(0, 2000), st.integers(1, 400), st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text_slices)
+def test_alignment_conserves_mass_and_respects_spans(texts, draw):
+    which, start, length, seed = draw
+    text = texts[which][start:start + length] or texts[which][:length]
+    source, target = offsets(teacher_tokenizer(), text), offsets(student_tokenizer(), text)
+    mass = torch.rand(len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    moved = transfer_mass(mass, source, target, renormalise=False)
+    # the student tokens tile the same text: no mass is created or lost
+    torch.testing.assert_close(moved.sum(), mass.sum())
+    # spans respected: each student token gets exactly the mass of the characters it covers
+    torch.testing.assert_close(moved, char_level_transfer(mass, source, target))
+    # and only from teacher tokens it overlaps
+    matrix = overlap_matrix(source, target)
+    for j, (s, e) in enumerate(target):
+        overlapping = [i for i, (a, b) in enumerate(source) if a < e and b > s]
+        assert set(matrix[:, j].nonzero().flatten().tolist()) <= set(overlapping)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text_slices, st.integers(1, 50))
+def test_alignment_into_a_truncated_context_renormalises_what_it_covers(texts, draw, keep):
+    which, start, length, seed = draw
+    text = texts[which][start:start + length] or texts[which][:length]
+    source, target = offsets(teacher_tokenizer(), text), offsets(student_tokenizer(), text)
+    target = target[:keep]
+    mass = torch.rand(len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    expected = char_level_transfer(mass, source, target)
+    torch.testing.assert_close(transfer_mass(mass, source, target), expected / expected.sum())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text_slices, st.sampled_from(["teacher", "student"]))
+def test_alignment_is_the_identity_for_equal_tokenizers(texts, draw, which_tokenizer):
+    which, start, length, seed = draw
+    text = texts[which][start:start + length] or texts[which][:length]
+    tokenizer = teacher_tokenizer() if which_tokenizer == "teacher" else student_tokenizer()
+    spans = offsets(tokenizer, text)
+    mass = torch.rand(len(spans), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    assert torch.equal(overlap_matrix(spans, spans), torch.eye(len(spans), dtype=torch.float64))
+    assert torch.equal(transfer_mass(mass, spans, spans, renormalise=False), mass)
+
+
+def test_events_land_inside_their_character_spans_in_both_tokenizers(examples):
+    for tokenizer in (teacher_tokenizer(), student_tokenizer()):
+        for i, example in enumerate(examples):
+            encoded = events_from_spans(example, tokenizer, i)
+            for event in encoded.events:
+                s, e = encoded.offsets[event.position]
+                assert s < event.char_end and e > event.char_start
+
+
+def test_generation_events_keep_exactly_the_reproduced_lines():
+    example = next(e for e in task.generate_examples(20, 3, "train", **TASK) if len(e.mentions) == 2)
+    assert generation_events(example, example.output) == example.events
+    first, second, codes = example.output.splitlines(keepends=True)
+    generated = first.replace(" => region ", " => region  ") + second + codes  # mention 0 is now wrong
+    events = generation_events(example, generated)
+    assert [e.mention for e in events] == [1] * sum(e.mention == 1 for e in example.events)
+    text = example.prompt + generated
+    assert all(text[e.start:e.end] == e.chosen for e in events)
+    assert all(e.start == g.start + 1 for e, g in zip(events, [g for g in example.events if g.mention == 1]))
+
+
+# --- targets and loss ------------------------------------------------------------------------
+
+
+def tiny_student(family="llama", seed=0):
+    tokenizer = family_tokenizer(family)
+    model = build_student(student_config(family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32), seed)
+    return model, to_bridge(model, tokenizer), tokenizer
+
+
+def test_targets_are_distributions_over_the_student_context(teacher, examples):
+    bridge, tokenizer = teacher
+    item = student_item(examples[0], 0, bridge, tokenizer, student_tokenizer(), teacher_head_sets(TEACHER_HEADS), 1024)
+    assert len(item.query_positions) == len(examples[0].events) > 0
+    for q, target in zip(item.query_positions, item.attention_targets):
+        assert target.shape == (q + 1,) and not target.requires_grad
+        torch.testing.assert_close(target.sum(), torch.tensor(1.0))
+        assert (target >= 0).all()
+
+
+def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, examples):
+    model, bridge, tokenizer = tiny_student()
+    items, _ = distillation_items(examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    batch = collate_items(items, tokenizer.pad_token_id)
+    heads = [(1, 0), (1, 1)]
+    store = {}
+    with torch.no_grad(), bridge.hooks(fwd_hooks=pattern_recorder([1], store)):
+        bridge(batch.ids)
+    pooled = pooled_attention(store, heads, batch.query_positions)
+    assert attention_kl(pooled, pooled.clone(), batch.event_mask) == 0
+    assert attention_kl(pooled, batch.attention_targets, batch.event_mask) > 0
+    nudged = pooled.clone()
+    nudged[0, 0, 0] += 1e-3
+    nudged[0, 0] /= nudged[0, 0].sum()
+    assert attention_kl(pooled, nudged, batch.event_mask) > 0
+    # padded event slots do not count
+    assert attention_kl(pooled, batch.attention_targets, torch.zeros_like(batch.event_mask)) == 0
+
+
+def test_gradient_flows_through_the_student_pattern_and_never_into_the_teacher(teacher, examples, tmp_path):
+    model, bridge, tokenizer = tiny_student()
+    items, _ = distillation_items(examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    batch = collate_items(items, tokenizer.pad_token_id)
+    _, attention = student_losses(model, bridge, batch, [(1, 0), (1, 1)], "fp32-master")
+    attention.backward()
+    q_grad = bridge.blocks[1].attn.q.weight.grad
+    assert q_grad is not None and q_grad.abs().sum() > 0  # through hook_pattern into the student
+    before = {name: p.detach().clone() for name, p in teacher[0].named_parameters()}
+    run({}, teacher, examples, tmp_path / "run")
+    for name, parameter in teacher[0].named_parameters():
+        assert parameter.grad is None and not parameter.requires_grad
+        assert torch.equal(parameter, before[name])
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def test_lambda_zero_reproduces_the_cot_run(teacher, examples, tmp_path):
+    cot = run({"objective": "cot", "steps": 4}, teacher, examples, tmp_path / "cot")
+    zero = run({"objective": "mistill", "attention_weight": 0.0, "steps": 4}, teacher, examples, tmp_path / "zero")
+    assert cot["final_cot_loss"] == zero["final_cot_loss"]
+    a, b = weights(tmp_path / "cot"), weights(tmp_path / "zero")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    mistill = run({"objective": "mistill", "attention_weight": 1.0, "steps": 4}, teacher, examples, tmp_path / "m")
+    assert mistill["final_cot_loss"] != cot["final_cot_loss"]  # the attention term does change training
+
+
+def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_path, monkeypatch):
+    config = {"objective": "mistill", "steps": 4, "checkpoint_every": 2}
+    run(config, teacher, examples, tmp_path / "straight")
+    # snapshot the folder as the periodic checkpoint at step 2 left it: what a crash leaves
+    real_save = training_module.save_checkpoint
+
+    def save_and_snapshot(model, tokenizer, out_dir, metadata, training_state=None):
+        path = real_save(model, tokenizer, out_dir, metadata, training_state)
+        if metadata["step"] == 2:
+            shutil.copytree(path, tmp_path / "interrupted")
+        return path
+
+    monkeypatch.setattr(training_module, "save_checkpoint", save_and_snapshot)
+    run(config, teacher, examples, tmp_path / "scratch")
+    monkeypatch.undo()
+    assert read_metadata(tmp_path / "interrupted")["step"] == 2
+    with pytest.raises(CheckpointError, match="different configuration"):
+        run({**config, "lr": 1e-2}, teacher, examples, tmp_path / "interrupted")
+    run(config, teacher, examples, tmp_path / "interrupted")
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "interrupted")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def mean_attention_kl(run_dir, teacher, examples):
+    model, tokenizer = load_hf_model(run_dir, attn_implementation="eager")
+    bridge = to_bridge(model, tokenizer)
+    items, _ = distillation_items(examples, *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    with torch.no_grad():
+        _, kl = student_losses(model, bridge, collate_items(items, tokenizer.pad_token_id), [(1, 0), (1, 1)], "fp32-master")
+    return float(kl)
+
+
+def test_attention_loss_moves_pooled_attention_toward_the_target(teacher, examples, tmp_path):
+    run({"steps": 0}, teacher, examples, tmp_path / "start")
+    initial = mean_attention_kl(tmp_path / "start", teacher, examples)
+    run({"objective": "cot", "steps": 12}, teacher, examples, tmp_path / "cot")
+    run({"objective": "mistill", "attention_weight": 5.0, "steps": 12}, teacher, examples, tmp_path / "mistill")
+    cot = mean_attention_kl(tmp_path / "cot", teacher, examples)
+    mistill = mean_attention_kl(tmp_path / "mistill", teacher, examples)
+    assert initial - mistill > initial - cot
+    assert mistill < 0.8 * initial
+
+
+@pytest.mark.parametrize("family,precision", [("llama", "bf16"), ("gpt2", "fp32-master")])
+def test_precision_modes_and_families_train_and_reload(teacher, examples, tmp_path, family, precision):
+    metadata = run({"family": family, "precision": precision, "steps": 2}, teacher, examples, tmp_path / "run")
+    assert metadata["step"] == 2 and torch.isfinite(torch.tensor(metadata["final_loss"]))
+    stored = weights(tmp_path / "run")
+    expected = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert {t.dtype for t in stored.values()} == {expected}
+    model, tokenizer = load_hf_model(tmp_path / "run")
+    assert model.config.model_type == ("llama" if family == "llama" else "gpt2")
+    assert len(tokenizer) == len(family_tokenizer(family))
+    if family == "gpt2":
+        assert metadata["n_events"] == sum(len(e.events) for e in examples)
+
+
+def test_bf16_and_fp32_master_runs_differ_but_both_learn(teacher, examples, tmp_path):
+    bf16 = run({"precision": "bf16", "steps": 6}, teacher, examples, tmp_path / "bf16")
+    master = run({"precision": "fp32-master", "steps": 6}, teacher, examples, tmp_path / "master")
+    state = torch.load(tmp_path / "master" / "training_state.pt", weights_only=False)
+    assert state["log"]["cot"][-1] < state["log"]["cot"][0]
+    assert bf16["final_cot_loss"] != master["final_cot_loss"]
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def test_bad_input_gives_clear_errors(teacher, examples, tmp_path):
+    bridge, tokenizer = teacher
+    heads = teacher_head_sets(TEACHER_HEADS)
+    with pytest.raises(ValueError, match="no character offsets"):
+        student_item(examples[0], 0, bridge, tokenizer, ByT5Tokenizer(), heads, 1024)
+    with pytest.raises(ValueError, match="outside the student's context of 200"):
+        student_item(examples[0], 0, bridge, tokenizer, student_tokenizer(), heads, 200)
+    with pytest.raises(ValueError, match="empty teacher head set"):
+        teacher_head_sets({"region": [], "within": [], "near_miss": [], "all": []})
+    with pytest.raises(ValueError, match="empty student head set"):
+        pooled_attention({}, [], torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty head set"):
+        run({"student_layers": ()}, teacher, examples, tmp_path / "empty")
+    with pytest.raises(ValueError, match="fits the student's 200-token context"):
+        run({"n_ctx": 200}, teacher, examples, tmp_path / "short")
+    with pytest.raises(ValueError, match="unknown objective"):
+        DistillConfig(objective="kl")
+    with pytest.raises(IndexError, match="out of range"):
+        run({"student_layers": (5,)}, teacher, examples, tmp_path / "range")
+
+
+# --- evaluation and report -------------------------------------------------------------------
+
+
+def test_causal_recovery_reads_the_characterisation_summary():
+    summary = {"near_miss": {"n_events": 10, "necessity": 0.6, "knock_in": 0.2, "circuit": [[1, 0]]}}
+    assert causal_recovery(summary)["causal_recovery"] == pytest.approx(0.4)
+    no_heads = {"near_miss": {"n_events": 10, "necessity": None, "knock_in": None, "circuit": []}}
+    assert causal_recovery(no_heads)["causal_recovery"] == 0.0
+    assert causal_recovery({})["causal_recovery"] is None
+
+
+def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
+    run({"objective": "cot", "steps": 2}, teacher, examples, tmp_path / "s0")
+    quick = CharacterizeConfig(ks=(1, 2), progress=False)
+    result = evaluate_run(tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick)
+    assert {"code_f1", "near_miss_acc", "causal_recovery"} <= set(result)
+    assert result["family"] == "llama" and result["objective"] == "cot" and result["seed"] == 0
+    summary = write_report([tmp_path / "s0"], tmp_path / "report")
+    assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1
+    for name in ("table.csv", "table.md", "figure.html", "runs.csv"):
+        assert (tmp_path / "report" / name).is_file()
+    # aggregation over seeds: mean and sample std per cell
+    rows = [{**result, "seed": s, "code_f1": f, "causal_recovery": r} for s, f, r in ((0, 0.2, 0.1), (1, 0.4, 0.5))]
+    table = summarise(pd.DataFrame(rows))
+    assert table["code_f1_mean"][0] == pytest.approx(0.3) and table["code_f1_std"][0] == pytest.approx(0.1414, abs=1e-4)
+    assert table["causal_recovery_mean"][0] == pytest.approx(0.3) and table["n_seeds"][0] == 2
