@@ -51,6 +51,7 @@ class CharacterizeConfig:
     elicitation_threshold: float = 0.5
     min_margin: float = 0.0
     attribution_batch_size: int = 8
+    curve_points: int = 8  # ablation-curve points per order (each is one forward pass)
     progress: bool = True
 
 
@@ -112,12 +113,13 @@ def characterize(
     config: CharacterizeConfig = CharacterizeConfig(),
     region_candidates: Sequence[int] | None = None,
     near_miss_text: Callable[[Any, DecisionEvent], str | None] = task_near_miss,
+    provenance: Mapping[str, Any] | None = None,
 ) -> dict:
     """Run the whole characterisation and write its files to `out_dir`; returns the summary.
 
     `examples` / `reference_examples` carry `prompt`, `output` and gold `events`; means come from
     the reference runs. `region_candidates` (token ids) default to every token chosen or
-    contrasted at a region event here.
+    contrasted at a region event here. `provenance` (e.g. the command) is stored in the summary.
     """
     torch.manual_seed(config.seed)
     out_dir = Path(out_dir)
@@ -190,7 +192,7 @@ def characterize(
     summary["elicitation"] = _elicitation(model, batch, circuits.get("region", []), region_candidates, config, out_dir)
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
-    curve = ablation_curve(model, batch, means, ranked, seed=config.seed)
+    curve = ablation_curve(model, batch, means, ranked, seed=config.seed, max_points=config.curve_points)
     curve.to_csv(out_dir / "ablation_curve.csv", index=False)
 
     figures = out_dir / "figures"
@@ -203,6 +205,7 @@ def characterize(
         plot.write_figure(plot.elicitation_figure(pd.read_csv(elicitation_path)), figures / "elicitation.html")
 
     summary["config"] = asdict(config)
+    summary.update(provenance or {})
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -250,9 +253,8 @@ def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | 
     reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
     config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
                                 progress=not args.no_progress)
-    summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config)
-    summary["command"] = "mistill-lens " + shlex.join(sys.argv[1:])
-    summary["model"] = str(args.model)
-    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
+    provenance = {"command": "mistill-lens " + shlex.join(sys.argv[1:]), "model": str(args.model),
+                  "split": args.split, "task_config": task_config}
+    summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config, provenance=provenance)
     print(json.dumps({k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit")}))
     return summary

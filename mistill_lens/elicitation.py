@@ -201,7 +201,8 @@ def carrying_heads(
     clean_margin = probe.margins(clean[held], sub.chosen[held])
     finite = torch.isfinite(clean_margin)  # held-out regions the probe never saw have no margin
     drops = torch.zeros(model.cfg.n_layers, model.cfg.n_heads)
-    for layer, head in all_heads(model):
+    # stage s is the residual before layer s: heads in layers >= s cannot move it
+    for layer, head in [(l, h) for l, h in all_heads(model) if l < stage]:
         hooks = mean_ablation_hooks(model, [(layer, head)], means, position_class)
         ablated = residuals_before(model, sub, [k], extra_hooks=hooks)[0, stage]
         margin = probe.margins(ablated[held], sub.chosen[held])

@@ -81,15 +81,16 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
 
 
-def _departure_token(tokenizer, text: str, start: int, chosen: str, contrast: str) -> tuple[int, int, int]:
-    """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, and the two
-    tokens there. Why this way: it is where the model decides, in any tokenizer (a region that is one
-    token for the teacher may be three for a student, and only the last of them may differ)."""
+def _departure_token(tokenizer, text: str, start: int, chosen: str, contrast: str) -> tuple[int, list[int], int]:
+    """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, the chosen
+    side's tokens, and the contrast token there. Why this way: it is where the model decides, in any
+    tokenizer (a region that is one token for the teacher may be three for a student, and only the
+    last of them may differ)."""
     chosen_ids, _ = _encode(tokenizer, text[:start] + chosen)
     contrast_ids, _ = _encode(tokenizer, text[:start] + contrast)
     for index, (a, b) in enumerate(zip(chosen_ids, contrast_ids)):
         if a != b:
-            return index, a, b
+            return index, chosen_ids, b
     raise ValueError(
         f"chosen {chosen!r} and contrast {contrast!r} tokenize identically after the prefix: no decision to score"
     )
@@ -128,8 +129,9 @@ def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExampl
             raise ValueError(
                 f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
             )
-        index, chosen_token, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
-        if index >= len(tokens) or tokens[:index + 1] != _encode(tokenizer, text[:start] + chosen)[0][:index + 1]:
+        index, chosen_ids, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
+        chosen_token = chosen_ids[index]
+        if tokens[:index + 1] != chosen_ids[:index + 1]:
             raise ValueError(
                 f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
                 f"of example {example_id} (a merge across the span boundary)"
@@ -193,8 +195,9 @@ def events_from_generation(
         if kind not in candidates:
             raise ValueError(f"no candidate token set for event kind {kind!r}")
         candidate_ids = torch.tensor(list(candidates[kind]))
+        candidate_set = set(candidate_ids.tolist())
         span_positions = encoded.token_positions_of_chars(len(prompt) + start, len(prompt) + end)
-        decided = [p for p in span_positions if tokens[p] in set(candidate_ids.tolist()) and p > 0]
+        decided = [p for p in span_positions if tokens[p] in candidate_set and p > 0]
         if not decided:
             continue
         position = decided[0]

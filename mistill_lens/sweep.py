@@ -7,9 +7,8 @@ stopped (heads already in the file are not re-run, after checking the file belon
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-import einops
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -25,7 +24,7 @@ SWEEP_COLUMNS = ["event_row", "example_id", "kind", "position", "layer", "head",
                  "clean_margin", "ablated_margin", "effect", "fraction_lost"]
 
 
-def chunked_margins(model, batch: EventBatch, hooks_for: callable, batch_size: int = 256) -> Float[Tensor, "event"]:
+def chunked_margins(model, batch: EventBatch, hooks_for: Callable[[EventBatch], list[HookPair]], batch_size: int = 256) -> Float[Tensor, "event"]:
     """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks."""
     parts = []
     for start in range(0, len(batch), batch_size):
@@ -125,6 +124,3 @@ def head_ablation_effects(model, batch: EventBatch, means: HeadMeans, progress: 
     table = ablation_sweep(model, batch, means, progress=progress)
     return effects_tensor(table, len(batch), model.cfg.n_layers, model.cfg.n_heads)
 
-
-def flatten_heads(scores: Float[Tensor, "... layer head"]) -> Float[Tensor, "... layer_head"]:
-    return einops.rearrange(scores, "... l h -> ... (l h)")
