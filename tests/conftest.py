@@ -14,7 +14,6 @@ from mistill_lens.hooks import compute_head_means, event_position_classes
 
 from planted import VOCAB, planted_bridge, planted_examples
 
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
