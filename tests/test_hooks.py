@@ -178,3 +178,28 @@ def test_planted_knock_in_transfers_exactly_the_deciders_share(planted, planted_
     transfer = (after - before) / (donor_own - before)
     torch.testing.assert_close(transfer[distinct], torch.full((int(distinct.sum()),), REGION_GAIN / (REGION_GAIN + GENERIC_GAIN)),
                                atol=1e-4, rtol=0)
+
+
+def test_the_same_hooks_work_on_a_llama_bridge_with_grouped_kv_heads(planted, planted_data):
+    """The student family: rotary, RMSNorm, 4 query heads sharing 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformer_lens import TransformerBridge
+    from mistill_lens.hooks import means_from_events
+    from planted import VOCAB
+    _, tokenizer = planted
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = TransformerBridge.boot_transformers("llama", hf_model=LlamaForCausalLM(config).eval(), tokenizer=tokenizer,
+                                                device="cpu", dtype=torch.float32)
+    batch = planted_data["batch"].select(range(8))
+    means = means_from_events(model, batch)
+    z = collect_z(model, batch.tokens)
+    assert z.shape[:2] == (2, 8) and z.shape[3] == 4
+    rows = torch.arange(len(batch))
+    same = knock_in_hooks(model, all_heads(model), gather_at_positions(z, rows, batch.predict_positions), batch.predict_positions)
+    torch.testing.assert_close(run_margins(model, batch, same), run_margins(model, batch), atol=1e-6, rtol=0)
+    exact = head_ablation_effects(model, batch, means)
+    attribution = attribution_scores(model, batch, means)
+    assert exact.abs().max() > 1e-3
+    assert torch.corrcoef(torch.stack([attribution.flatten(), exact.flatten()]))[0, 1] > 0.95
