@@ -27,19 +27,19 @@ def teacher_task_config(teacher_dir: Path) -> dict:
 
 
 def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config: dict, cache_dir: Path,
-                     n: int, progress: bool) -> Path:
-    """``heads.json`` of the teacher's characterisation on validation examples (run once, cached)."""
+                     n: int, z_min: float, progress: bool) -> Path:
+    """``heads.json`` of the teacher's characterisation on validation examples (run once, cached;
+    an interrupted one resumes its sweeps)."""
     from mistill_lens import task
     from mistill_lens.characterize import CharacterizeConfig, characterize
     from mistill_lens.distill.data import weights_digest
 
-    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-characterization"
-    heads = out / "heads.json"
-    if not heads.is_file():
+    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
+    if not (out / "summary.json").is_file():  # written last: the characterisation finished
         examples = task.generate_examples(n, 0, "validation", **task_config)
         reference = task.generate_examples(n, 1, "validation", **task_config)
-        characterize(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(progress=progress))
-    return heads
+        characterize(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(z_min=z_min, progress=progress))
+    return out / "heads.json"
 
 
 def run_distill(args: argparse.Namespace) -> dict:
@@ -56,7 +56,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     progress = not args.no_progress
     teacher, teacher_tokenizer = load_model(teacher_dir)
     heads_path = Path(args.teacher_heads) if args.teacher_heads else teacher_circuits(
-        teacher, teacher_tokenizer, teacher_dir, task_config, cache, args.characterize_n, progress)
+        teacher, teacher_tokenizer, teacher_dir, task_config, cache, args.characterize_n, args.teacher_z_min, progress)
     heads_by_kind = teacher_head_sets(read_heads_json(heads_path))
     examples = teacher_generations(teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress)
     layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
@@ -105,6 +105,8 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument("--n-train", type=int, default=256, help="training prompts the teacher answers (distillation data)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the training prompts (shared by all runs)")
     parser.add_argument("--teacher-heads", default=None, help="heads.json of a teacher characterisation (default: characterise it once, cached)")
+    parser.add_argument("--teacher-z-min", type=float, default=3.0,
+                        help="calibrated z a teacher head needs to join its circuit, when characterising it here")
     parser.add_argument("--cache", default=None, help="folder for teacher generations and characterisation (default: OUT/../distill_cache)")
     parser.add_argument("--n-eval", type=int, default=50, help="held-out examples for code_f1 / near_miss_acc (0: skip evaluation)")
     parser.add_argument("--characterize-n", type=int, default=24, help="examples for each characterisation")
