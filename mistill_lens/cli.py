@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     train.add_argument("--steps", type=int, default=3000)
     train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--n-layer", type=int, default=4)
     train.add_argument("--n-head", type=int, default=4)
     train.add_argument("--n-embd", type=int, default=128)

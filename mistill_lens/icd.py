@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import simple_icd_10_cm as cm
 
-DEFAULT_UNIVERSE_SIZE = 1000
+# The whole eligible list: context length depends on K, not on the universe, and a large
+# universe leaves a model nothing to memorise but the selection itself.
+DEFAULT_UNIVERSE_SIZE = 12536
 MAX_SUFFIX_LEN = 2
 
 # "(E08.-)", "(P70.2)", "(O24.4-)", "(I22.-)": a code or code prefix inside parentheses.

@@ -148,6 +148,19 @@ def _first_in(order: Iterable[str], pool: Iterable[str]) -> str | None:
     return next((c for c in order if c in pool), None)
 
 
+def _draw_distinct(universe: Universe, rng: random.Random, n: int, accept) -> list[str]:
+    """``n`` distinct universe codes that ``accept`` admits, by rejection (the universe is large)."""
+    if n > len(universe) // 2:
+        pool = [c for c in universe.codes if accept(c)]
+        return rng.sample(pool, n)
+    drawn: list[str] = []
+    while len(drawn) < n:
+        code = rng.choice(universe.codes)
+        if accept(code) and code not in drawn:
+            drawn.append(code)
+    return drawn
+
+
 def build_example(
     universe: Universe,
     gold_codes: list[str],
@@ -196,10 +209,10 @@ def build_example(
         )
     blocked = set(required) | {c for g in gold_codes for c in universe.near_misses(g)}
     gold_regions = {region_of(c) for c in gold_codes}
-    negatable = [c for c in universe.codes if c not in blocked and region_of(c) not in gold_regions]
-    negated = rng.sample(negatable, min(n_negated, k - len(required)))
-    others = [c for c in universe.codes if c not in set(required) | set(negated)]
-    candidates = required + negated + rng.sample(others, k - len(required) - len(negated))
+    negated = _draw_distinct(universe, rng, min(n_negated, k - len(required)),
+                             lambda c: c not in blocked and region_of(c) not in gold_regions)
+    taken = set(required) | set(negated)
+    candidates = required + negated + _draw_distinct(universe, rng, k - len(taken), lambda c: c not in taken)
     rng.shuffle(candidates)
 
     # (sentence, the gold code it states or None), shuffled together.

@@ -33,7 +33,7 @@ class TrainConfig:
     seed: int = 0
     steps: int = 3000
     batch_size: int = 8
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
     universe_size: int = task.DEFAULT_UNIVERSE_SIZE
