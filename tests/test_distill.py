@@ -1,7 +1,6 @@
 """MISTILL: alignment properties, targets and loss, gradients, the lambda = 0 baseline, precision
 modes, bad input, and the evaluation / report path. Tiny random-init teachers and students only."""
 
-import json
 import shutil
 
 import pandas as pd
