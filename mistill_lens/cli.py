@@ -54,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        checkpoint_every=args.checkpoint_every, **_task_config(args),
+        checkpoint_every=args.checkpoint_every, init_from=args.init_from, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     metadata = train(config, args.out, command=command)
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--n-head", type=int, default=4)
     train.add_argument("--n-embd", type=int, default=128)
     train.add_argument("--checkpoint-every", type=int, default=250)
+    train.add_argument("--init-from", default=None,
+                       help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
     _add_task_options(train)
     train.set_defaults(func=cmd_train)
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens import task
-from mistill_lens.models import CheckpointError, load_hf_model, save_checkpoint, teacher_config
+from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config
 from mistill_lens.tokenization import teacher_tokenizer
 
 TRAINING_STATE_FILE = "training_state.pt"
@@ -43,6 +43,8 @@ class TrainConfig:
     n_head: int = 4
     n_embd: int = 128
     checkpoint_every: int = 250
+    # Start from these weights instead of a fresh initialisation (continued training).
+    init_from: str | None = None
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tuple[list[int], list[bool]]:
@@ -93,6 +95,11 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     torch.manual_seed(config.seed)
+    if config.init_from is not None:
+        model, init_tokenizer = load_hf_model(config.init_from)
+        if init_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise CheckpointError(f"--init-from {config.init_from} was trained with another tokenizer")
+        return model
     hf_config = teacher_config(
         len(tokenizer), n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
         eos_token_id=tokenizer.eos_token_id,
@@ -158,6 +165,8 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
             "final_loss": losses[-1] if losses else None,
             "torch": torch.__version__,
         }
+        if config.init_from is not None:
+            metadata["init_from"] = read_metadata(config.init_from)
         state = {
             "config": asdict(config), "step": step, "elapsed_s": elapsed, "losses": losses,
             "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),

@@ -61,3 +61,13 @@ def test_resuming_with_other_options_is_refused(tmp_path):
     train(replace(TINY, steps=4), tmp_path / "run", progress=False)
     with pytest.raises(CheckpointError, match="different configuration"):
         train(replace(TINY, steps=4, lr=1e-2), tmp_path / "run", progress=False)
+
+
+def test_init_from_starts_at_the_given_weights(tmp_path):
+    train(replace(TINY, steps=4), tmp_path / "base", progress=False)
+    metadata = train(replace(TINY, steps=0, seed=4, init_from=str(tmp_path / "base")), tmp_path / "more", progress=False)
+    base, _ = load_hf_model(tmp_path / "base")
+    more, _ = load_hf_model(tmp_path / "more")
+    for (name, a), (_, b) in zip(base.state_dict().items(), more.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert metadata["init_from"]["step"] == 4
