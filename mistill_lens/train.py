@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
 
@@ -45,6 +45,9 @@ class TrainConfig:
     checkpoint_every: int = 250
     # Start from these weights instead of a fresh initialisation (continued training).
     init_from: str | None = None
+    # Loss weight of the decision-event tokens (region, within, near-miss) relative to the
+    # other output tokens: they are ~3% of the targets but carry the selection itself.
+    event_weight: float = 1.0
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tuple[list[int], list[bool]]:
@@ -55,6 +58,15 @@ def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tupl
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     output_ids = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + output_ids, [False] * len(prompt_ids) + [True] * len(output_ids)
+
+
+def event_token_mask(tokenizer: PreTrainedTokenizerFast, example: task.Example) -> list[bool]:
+    """Which positions of ``encode(tokenizer, example.prompt, example.output)`` hold a gold decision."""
+    n_prompt = len(tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
+    offsets = tokenizer(example.output, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    spans = [(e.start - len(example.prompt), e.end - len(example.prompt)) for e in example.events]
+    in_event = [any(start < end_ and end > start_ for start_, end_ in spans) for start, end in offsets]
+    return [False] * n_prompt + in_event + [False]
 
 
 def collate(
@@ -77,12 +89,21 @@ def output_loss(
     ids: Int[torch.Tensor, "batch pos"],
     attention: Bool[torch.Tensor, "batch pos"],
     targets: Bool[torch.Tensor, "batch pos"],
+    weights: Float[torch.Tensor, "batch pos"] | None = None,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over target tokens; the unembedding runs only where needed."""
+    """Next-token cross-entropy over target tokens (weighted mean if ``weights`` is given).
+
+    The unembedding runs only where there is a target.
+    """
     hidden = model.base_model(input_ids=ids, attention_mask=attention.long()).last_hidden_state
     predicts_target = targets[:, 1:]
     logits = model.get_output_embeddings()(hidden[:, :-1][predicts_target])
-    return torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][predicts_target])
+    labels = ids[:, 1:][predicts_target]
+    if weights is None:
+        return torch.nn.functional.cross_entropy(logits.float(), labels)
+    token_weights = weights[:, 1:][predicts_target]
+    per_token = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+    return (per_token * token_weights).sum() / token_weights.sum()
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -178,11 +199,19 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
     bar = tqdm(total=config.steps, initial=step, desc="train teacher", disable=not progress, file=sys.stderr)
     while step < config.steps:
         started = time.perf_counter()
-        batch = [encode(tokenizer, ex.prompt, ex.output) for ex in (next(stream) for _ in range(config.batch_size))]
-        ids, attention, targets = collate(batch, tokenizer.pad_token_id)
+        examples = [next(stream) for _ in range(config.batch_size)]
+        ids, attention, targets = collate([encode(tokenizer, ex.prompt, ex.output) for ex in examples],
+                                          tokenizer.pad_token_id)
+        weights = None
+        if config.event_weight != 1.0:
+            is_event = torch.zeros_like(targets)
+            for row, ex in enumerate(examples):
+                mask = event_token_mask(tokenizer, ex)
+                is_event[row, : len(mask)] = torch.tensor(mask)
+            weights = 1.0 + (config.event_weight - 1.0) * is_event.float()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
-        loss = output_loss(model, ids, attention, targets)
+        loss = output_loss(model, ids, attention, targets, weights)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,8 @@ import torch
 
 import mistill_lens.train as train_module
 from mistill_lens.models import CheckpointError, load_hf_model
-from mistill_lens.train import TrainConfig, collate, encode, train
+from mistill_lens import task
+from mistill_lens.train import TrainConfig, collate, encode, event_token_mask, train
 from mistill_lens.tokenization import teacher_tokenizer
 
 TINY = TrainConfig(seed=3, steps=8, batch_size=2, lr=3e-3, warmup_steps=2, universe_size=300, k=8,
@@ -71,3 +72,19 @@ def test_init_from_starts_at_the_given_weights(tmp_path):
     for (name, a), (_, b) in zip(base.state_dict().items(), more.state_dict().items()):
         assert torch.equal(a, b), name
     assert metadata["init_from"]["step"] == 4
+
+
+def test_event_mask_marks_exactly_the_gold_decision_tokens():
+    tokenizer = teacher_tokenizer()
+    for example in task.generate_examples(10, 0, "train"):
+        ids, _ = encode(tokenizer, example.prompt, example.output)
+        mask = event_token_mask(tokenizer, example)
+        marked = [tokenizer.decode([i]) for i, m in zip(ids, mask) if m]
+        # a within event and a sibling near-miss event share their token
+        assert sorted(marked) == sorted(chosen for _, chosen in {(e.start, e.chosen) for e in example.events})
+
+
+def test_event_weight_changes_training_and_weight_one_is_the_plain_loss(tmp_path):
+    plain = train(replace(TINY, steps=3), tmp_path / "plain", progress=False)
+    weighted = train(replace(TINY, steps=3, event_weight=5.0), tmp_path / "weighted", progress=False)
+    assert plain["final_loss"] != weighted["final_loss"]
