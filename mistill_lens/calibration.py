@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens.events import NULL_KIND, DecisionEvent, EncodedExample
+from mistill_lens.events import NULL_KIND, DecisionEvent, EncodedExample, kind_mask
 
 
 def null_events(
@@ -107,6 +107,5 @@ def calibrate(
     if torch.isnan(real_effects).any() or torch.isnan(null_effects).any():
         raise FloatingPointError("NaN head effect passed to calibrate")
     kinds = tuple(dict.fromkeys(real_kinds))
-    kind_rows = [torch.tensor([k == kind for k in real_kinds]) for kind in kinds]
-    raw = torch.stack([real_effects[rows].mean(dim=0) for rows in kind_rows])
+    raw = torch.stack([real_effects[kind_mask(real_kinds, kind)].mean(dim=0) for kind in kinds])
     return Calibration(kinds, raw, null_effects.mean(dim=0), null_effects.std(dim=0), std_floor)

@@ -32,7 +32,9 @@ from mistill_lens.circuits import (
     ablation_curve, attention_mass, circuit_report, family_targets, head_families, phase_structure, select_circuit,
 )
 from mistill_lens.elicitation import carrying_heads, elicitation_curve, elicitation_lead, top_heads
-from mistill_lens.events import DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, make_event_batch
+from mistill_lens.events import (
+    DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, kind_mask, make_event_batch,
+)
 from mistill_lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
 from mistill_lens.sweep import ablation_sweep, clean_margins, effects_tensor
 
@@ -52,6 +54,10 @@ class CharacterizeConfig:
     min_margin: float = 0.0
     attribution_batch_size: int = 8
     curve_points: int = 8  # ablation-curve points per order (each is one forward pass)
+    # Exact-sweep only the N heads with the largest mean |attribution| (None: every head). For big
+    # models on CPU: attribution screens every head in one backward pass, exact ablation confirms
+    # the top N; heads not swept enter calibration with zero effect, so they are never selected.
+    sweep_top: int | None = None
     progress: bool = True
 
 
@@ -83,7 +89,8 @@ def chunked_attribution(model, batch: EventBatch, means: HeadMeans, batch_size: 
 
 def rank_correlation(a: Tensor, b: Tensor) -> float:
     """Spearman correlation of two flat tensors (average ranks for ties)."""
-    ranks = pd.DataFrame({"a": a.flatten().tolist(), "b": b.flatten().tolist()}).rank()
+    pairs = pd.DataFrame({"a": a.flatten().tolist(), "b": b.flatten().tolist()}).dropna()  # NaN: head not swept
+    ranks = pairs.rank()
     return float(ranks["a"].corr(ranks["b"]))
 
 
@@ -137,32 +144,33 @@ def characterize(
     nulls = make_event_batch(encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
 
-    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", progress=config.progress)
-    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", progress=config.progress)
-    exact = effects_tensor(sweep, len(batch), n_layers, n_heads)
-    null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
     attribution = chunked_attribution(model, batch, means, config.attribution_batch_size)
+    swept = all_heads(model) if config.sweep_top is None else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
+    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", heads=swept, progress=config.progress)
+    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", heads=swept, progress=config.progress)
+    exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
+    null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
     pd.DataFrame([
         {"event_row": e, "kind": batch.kinds[e], "layer": l, "head": h,
          "attribution": float(attribution[e, l, h]), "exact": float(exact[e, l, h])}
         for e in range(len(batch)) for l in range(n_layers) for h in range(n_heads)
     ]).to_csv(out_dir / "attribution.csv", index=False)
 
-    calibration = calibrate(exact, batch.kinds, null_exact)
+    calibration = calibrate(exact.nan_to_num(0.0), batch.kinds, null_exact.nan_to_num(0.0))
     calibration.to_frame().to_csv(out_dir / "calibration.csv", index=False)
     circuits = select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
     circuit = circuits["all"]
     (out_dir / "heads.json").write_text(json.dumps(heads_json(calibration, circuits), indent=2))
 
     summary: dict[str, Any] = {
-        "circuit_size": len(circuit), "n_heads_total": n_layers * n_heads,
+        "circuit_size": len(circuit), "n_heads_total": n_layers * n_heads, "n_heads_swept": len(swept),
         "circuit": [list(h) for h in circuit],
         "n_examples": len(encoded), "n_events": len(every_event), "n_decided_events": len(batch),
         "n_null_events": len(nulls), "thresholds": config.thresholds,
         "attribution_vs_ablation_spearman": {
             "all": rank_correlation(attribution, exact),
-            **{k: rank_correlation(attribution[[i for i, x in enumerate(batch.kinds) if x == k]],
-                                   exact[[i for i, x in enumerate(batch.kinds) if x == k]]) for k in calibration.kinds},
+            **{k: rank_correlation(attribution[kind_mask(batch.kinds, k)], exact[kind_mask(batch.kinds, k)])
+               for k in calibration.kinds},
         },
         "phase_structure": phase_structure(calibration, circuits),
     }
@@ -252,7 +260,7 @@ def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | 
     # reference runs for the means: a different seed of the same split, so no example is reused
     reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
     config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
-                                progress=not args.no_progress)
+                                sweep_top=args.sweep_top, progress=not args.no_progress)
     provenance = {"command": "mistill-lens " + shlex.join(sys.argv[1:]), "model": str(args.model),
                   "split": args.split, "task_config": task_config}
     summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config, provenance=provenance)

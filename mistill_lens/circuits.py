@@ -18,7 +18,7 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.calibration import Calibration
-from mistill_lens.events import DecisionEvent, EncodedExample, EventBatch, margin_fraction, margins_at
+from mistill_lens.events import DecisionEvent, EncodedExample, EventBatch, kind_mask, margin_fraction, margins_at
 from mistill_lens.hooks import (
     Head, HeadMeans, ablate_all_but_hooks, all_heads, collect_z, event_position_classes, gather_at_positions,
     knock_in_hooks, validate_heads,
@@ -84,7 +84,8 @@ def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
 
 
 def knock_in_transfer(
-    model, batch: EventBatch, heads: Iterable[Head], donors: Int[Tensor, "event"], batch_size: int = 128
+    model, batch: EventBatch, heads: Iterable[Head], donors: Int[Tensor, "event"], clean: Tensor | None = None,
+    batch_size: int = 128,
 ) -> Float[Tensor, "event"]:
     """Fraction of donor A's contrastive decision that appears in B when `heads`' activations at A's
     event position are written into B's run at B's event position:
@@ -93,7 +94,7 @@ def knock_in_transfer(
     heads = validate_heads(model, heads)
     transfer = torch.full((len(batch),), torch.nan)
     rows = (donors >= 0).nonzero().flatten()
-    own = clean_margins(model, batch)
+    own = clean if clean is not None else clean_margins(model, batch)
     for start in range(0, len(rows), batch_size):
         targets = rows[start:start + batch_size]
         sources = donors[targets]
@@ -156,7 +157,7 @@ def circuit_report(model, batch: EventBatch, means: HeadMeans, heads: Iterable[H
     return CircuitReport(
         heads, batch.events,
         necessity(model, batch, means, heads, clean), sufficiency(model, batch, means, heads, clean),
-        knock_in_transfer(model, batch, heads, knock_in_donors(batch, seed)),
+        knock_in_transfer(model, batch, heads, knock_in_donors(batch, seed), clean),
     )
 
 
@@ -177,7 +178,7 @@ def ablation_curve(
             kept = clean if n == 0 else ablated_margins(model, batch, means, order[:n])
             fraction = margin_fraction(kept, clean)
             for kind in dict.fromkeys(batch.kinds):
-                picked = torch.tensor([k == kind for k in batch.kinds])
+                picked = kind_mask(batch.kinds, kind)
                 rows.append({"order": order_name, "n_ablated": n, "kind": kind,
                              "fraction_kept": float(fraction[picked].mean())})
     return pd.DataFrame(rows)
@@ -270,7 +271,7 @@ def head_families(
     head belongs to (the family with the highest ratio, if at least `min_ratio`; else "none")."""
     rows = []
     for kind in dict.fromkeys(kinds):
-        picked = torch.tensor([k == kind for k in kinds])
+        picked = kind_mask(kinds, kind)
         for layer, head in heads:
             row = {"kind": kind, "layer": layer, "head": head}
             best, best_ratio = "none", min_ratio

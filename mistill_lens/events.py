@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 EVENT_KINDS: tuple[str, ...] = ("region", "within", "near_miss")
@@ -242,7 +242,12 @@ class EventBatch:
                           self.contrast[rows], keep)
 
     def of_kind(self, kind: str) -> "EventBatch":
-        return self.select([i for i, k in enumerate(self.kinds) if k == kind])
+        return self.select(kind_mask(self.kinds, kind).nonzero().flatten())
+
+
+def kind_mask(kinds: Sequence[str], kind: str) -> Bool[Tensor, "event"]:
+    """Which rows are events of `kind`."""
+    return torch.tensor([k == kind for k in kinds], dtype=torch.bool)
 
 
 def make_event_batch(

@@ -14,6 +14,10 @@ from mistill_lens.hooks import compute_head_means, event_position_classes
 
 from planted import VOCAB, planted_bridge, planted_examples
 
+# Why: on a loaded shared machine two intra-op threads contend with every other process and a
+# test that takes 8 s single-threaded can take minutes.
+torch.set_num_threads(1)
+
 
 
 @pytest.fixture(scope="session")
