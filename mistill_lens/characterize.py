@@ -173,6 +173,10 @@ def characterize(
                for k in calibration.kinds},
         },
         "phase_structure": phase_structure(calibration, circuits),
+        # the strongest heads per kind whether or not they pass selection: what to look at when the
+        # circuit is empty or when choosing --z-min
+        "top_heads": {kind: [{"layer": l, "head": h, "z": float(calibration.z[k, l, h]), "raw": float(calibration.raw[k, l, h])}
+                             for l, h in top_heads(calibration.z[k], 5)] for k, kind in enumerate(calibration.kinds)},
     }
     per_kind = {kind: {"necessity": None, "sufficiency": None, "knock_in": None, "coverage": None,
                        "n_events": batch.kinds.count(kind), "circuit": [list(h) for h in circuits[kind]]}

@@ -47,6 +47,7 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
                            config, near_miss_text=mention)
     assert summary["circuit_size"] == 2 and summary["circuit"] == [list(DECIDER), list(WITHIN)]
     assert summary["n_heads_total"] == 8
+    assert summary["top_heads"]["region"][0]["layer"] == DECIDER[0] and summary["top_heads"]["region"][0]["head"] == DECIDER[1]
     assert summary["within"]["sufficiency"] == pytest.approx(1.0, abs=1e-4)
     assert summary["within"]["knock_in"] == pytest.approx(1.0, abs=1e-4)
     assert summary["region"]["knock_in"] == pytest.approx(1 / 3, abs=1e-4)
