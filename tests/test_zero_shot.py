@@ -128,8 +128,9 @@ def test_tiny_characterisation_on_real_weights(smollm2, reply, tmp_path):
     margins = clean_margins(bridge, make_event_batch(encoded, pad_token_id=tokenizer.pad_token_id))
     assert torch.isfinite(margins).all() and (margins > 0).all()  # greedy choices beat their contrasts
 
-    # z_min out of reach: no circuit, so the test stays with sweeps, attribution and calibration
-    config = CharacterizeConfig(seed=0, sweep_top=2, curve_points=1, z_min=1e9, progress=False)
+    # z_min out of reach: no circuit, so the test stays with sweeps, attribution and calibration.
+    # Two null draws per event: one each can land on the same output token of this short reply.
+    config = CharacterizeConfig(seed=0, sweep_top=2, curve_points=1, z_min=1e9, null_per_event=2, progress=False)
     summary = characterize(bridge, tokenizer, [reply], [reply], tmp_path, config)
     assert summary["n_heads_total"] == 30 * 9 and summary["n_heads_swept"] == 2
     assert summary["n_decided_events"] == 2 and summary["circuit"] == []
