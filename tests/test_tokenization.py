@@ -25,12 +25,14 @@ def test_round_trip_and_offsets(load, texts):
         enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
         assert tokenizer.decode(enc["input_ids"]) == text
         offsets = enc["offset_mapping"]
-        # offsets tile the text: contiguous, in order, and each token decodes to its span
+        # offsets cover the text in order; a token decodes to its span unless it is one byte
+        # of a multi-byte character (ICD wording has a few), whose bytes share one span
         assert offsets[0][0] == 0 and offsets[-1][1] == len(text)
-        for (start, end), (next_start, _) in zip(offsets, offsets[1:]):
-            assert end == next_start
+        for (start, end), (next_start, next_end) in zip(offsets, offsets[1:]):
+            assert start <= next_start <= end <= next_end
         for token_id, (start, end) in zip(enc["input_ids"], offsets):
-            assert tokenizer.decode([token_id]) == text[start:end]
+            piece = tokenizer.decode([token_id])
+            assert piece == text[start:end] or "\ufffd" in piece
 
 
 def test_teacher_splits_every_code_into_region_and_suffix():
