@@ -72,12 +72,13 @@ def sufficiency(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head
 
 
 def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
-    """For each event a donor event of the same kind that chose a different token (-1 if none),
-    drawn deterministically from `seed`."""
+    """For each event a donor event from another example, of the same kind, that chose a different
+    token (-1 if none), drawn deterministically from `seed`."""
     rng = random.Random(seed)
     donors = torch.full((len(batch),), -1, dtype=torch.long)
     for row, event in enumerate(batch.events):
-        pool = [i for i, other in enumerate(batch.events) if other.kind == event.kind and other.chosen_token != event.chosen_token]
+        pool = [i for i, other in enumerate(batch.events)
+                if other.kind == event.kind and other.chosen_token != event.chosen_token and other.example_id != event.example_id]
         if pool:
             donors[row] = rng.choice(pool)
     return donors

@@ -52,7 +52,8 @@ def test_necessity_sufficiency_and_knock_in_are_exact(planted, planted_data):
     torch.testing.assert_close(kept[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
 
     donors = knock_in_donors(batch, seed=0)
-    assert all(batch.kinds[d] == batch.kinds[i] and batch.chosen[d] != batch.chosen[i] for i, d in enumerate(donors.tolist()))
+    assert all(batch.kinds[d] == batch.kinds[i] and batch.chosen[d] != batch.chosen[i]
+               and batch.events[d].example_id != batch.events[i].example_id for i, d in enumerate(donors.tolist()))
     transfer = knock_in_transfer(bridge, batch, [DECIDER, WITHIN], donors)
     torch.testing.assert_close(transfer[region_rows], torch.full((len(region_rows),), REGION_GAIN / clean_region), atol=1e-4, rtol=0)
     torch.testing.assert_close(transfer[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
