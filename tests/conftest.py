@@ -8,9 +8,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from transformer_lens import TransformerBridge
 
-from mistill_lens.calibration import null_events
+from mistill_lens.calibration import calibrate, null_events
 from mistill_lens.events import events_from_spans, make_event_batch
 from mistill_lens.hooks import compute_head_means, event_position_classes
+from mistill_lens.sweep import head_ablation_effects
 
 from planted import VOCAB, planted_bridge, planted_examples
 
@@ -54,3 +55,11 @@ def planted_data(planted):
     nulls = make_event_batch(examples, null_events(examples, batch.events, per_event=2, seed=0))
     return {"examples": examples, "batch": batch, "nulls": nulls, "means": means,
             "reference_batch": reference_batch}
+
+
+@pytest.fixture(scope="session")
+def calibration(planted, planted_data):
+    bridge, _ = planted
+    real = head_ablation_effects(bridge, planted_data["batch"], planted_data["means"])
+    null = head_ablation_effects(bridge, planted_data["nulls"], planted_data["means"])
+    return calibrate(real, planted_data["batch"].kinds, null)

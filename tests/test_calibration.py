@@ -2,17 +2,8 @@ import pytest
 import torch
 
 from mistill_lens.calibration import calibrate, null_events
-from mistill_lens.sweep import head_ablation_effects
 
 from planted import DECIDER, GENERIC, GENERIC_GAIN, WITHIN
-
-
-@pytest.fixture(scope="module")
-def calibration(planted, planted_data):
-    bridge, _ = planted
-    real = head_ablation_effects(bridge, planted_data["batch"], planted_data["means"])
-    null = head_ablation_effects(bridge, planted_data["nulls"], planted_data["means"])
-    return calibrate(real, planted_data["batch"].kinds, null)
 
 
 def test_null_events_are_matched_non_decisions_with_shuffled_contrasts(planted_data):

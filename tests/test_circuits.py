@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from mistill_lens.calibration import calibrate
 from mistill_lens.circuits import (
     ablation_curve, attention_mass, circuit_report, coverage, family_targets, head_families, knock_in_donors,
     knock_in_transfer, necessity, phase_structure, select_circuit, sufficiency,
@@ -10,14 +9,6 @@ from mistill_lens.sweep import ablation_sweep, effects_tensor, head_ablation_eff
 
 from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 from test_hooks import reference_frequencies
-
-
-@pytest.fixture(scope="module")
-def calibration(planted, planted_data):
-    bridge, _ = planted
-    real = head_ablation_effects(bridge, planted_data["batch"], planted_data["means"])
-    null = head_ablation_effects(bridge, planted_data["nulls"], planted_data["means"])
-    return calibrate(real, planted_data["batch"].kinds, null)
 
 
 def share(batch, reference, kind):
