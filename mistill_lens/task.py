@@ -212,7 +212,18 @@ def build_example(
     negated = _draw_distinct(universe, rng, min(n_negated, k - len(required)),
                              lambda c: c not in blocked and region_of(c) not in gold_regions)
     taken = set(required) | set(negated)
-    candidates = required + negated + _draw_distinct(universe, rng, k - len(taken), lambda c: c not in taken)
+    # A region decision needs a contrast: at least one candidate outside the gold regions.
+    has_other_region = any(region_of(c) not in gold_regions for c in taken)
+    if not has_other_region and k == len(taken):
+        raise ValueError(
+            f"K={k} candidates leaves no room for a candidate outside the gold regions "
+            f"(the region decision's contrast); use K >= {len(taken) + 1}"
+        )
+    outside = [] if has_other_region else _draw_distinct(
+        universe, rng, 1, lambda c: c not in taken and region_of(c) not in gold_regions)
+    taken |= set(outside)
+    candidates = required + negated + outside + _draw_distinct(
+        universe, rng, k - len(taken), lambda c: c not in taken)
     rng.shuffle(candidates)
 
     # (sentence, the gold code it states or None), shuffled together.

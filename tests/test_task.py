@@ -136,3 +136,18 @@ def test_bad_input_gives_clear_errors(universe):
     result = subprocess.run([sys.executable, "-m", "mistill_lens.cli", "data", "--n", "1", "--k", "2",
                              "--out", "/dev/null"], capture_output=True, text=True)
     assert result.returncode == 2 and "smaller than" in result.stderr
+
+
+def test_small_k_always_leaves_a_region_contrast(universe):
+    # With few candidates the random distractors could all be siblings of the gold code; the
+    # generator must still place a candidate from another region, the region event's contrast.
+    for ex in task.generate_examples(300, 11, "train", k=4, max_mentions=1):
+        candidate_regions = {region_of(c) for c in ex.candidates}
+        for event in ex.events:
+            if event.kind == "region":
+                assert event.contrast != event.chosen and event.contrast in candidate_regions
+    no_excludes = next(c for c in universe.codes if not universe.excludes_codes(c) and len(universe.siblings(c)) >= 2)
+    example = task.build_example(universe, [no_excludes], 4, random.Random(0), n_negated=0, n_filler=0)
+    assert sum(region_of(c) != region_of(no_excludes) for c in example.candidates) >= 1
+    with pytest.raises(ValueError, match="no room for a candidate outside the gold regions"):
+        task.build_example(universe, [no_excludes], 3, random.Random(0), n_negated=0, n_filler=0)
