@@ -57,7 +57,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
-    metadata = train(config, args.out, command=command)
+    metadata = train(config, args.out, command=command, device=args.device)
     print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
 
 
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, default=250)
     train.add_argument("--event-weight", type=float, default=1.0,
                        help="loss weight of decision-event tokens relative to other output tokens (default 1)")
+    train.add_argument("--device", default="cpu",
+                       help="cpu, cuda, cuda:N or auto (CUDA when available); not part of the run's configuration, "
+                            "so a run can resume on another machine (default cpu)")
     train.add_argument("--init-from", default=None,
                        help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
     _add_task_options(train)

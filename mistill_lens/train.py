@@ -138,7 +138,7 @@ def _resume(out_dir: Path, config: TrainConfig):
     state_path = out_dir / TRAINING_STATE_FILE
     if not state_path.is_file():
         return None
-    state = torch.load(state_path, weights_only=False)
+    state = torch.load(state_path, weights_only=False, map_location="cpu")
     saved = TrainConfig(**state["config"])
     if saved != config:
         differing = [f.name for f in fields(TrainConfig) if getattr(saved, f.name) != getattr(config, f.name)]
@@ -151,8 +151,25 @@ def _resume(out_dir: Path, config: TrainConfig):
     return model, state
 
 
-def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progress: bool = True) -> dict:
-    """Train (or resume) a teacher; returns the metadata written next to the weights."""
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when available, else the CPU; an unavailable device is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available on this machine")
+    return resolved
+
+
+def train(
+    config: TrainConfig, out_dir: str | Path, *, command: str = "", progress: bool = True, device: str = "cpu"
+) -> dict:
+    """Train (or resume) a teacher; returns the metadata written next to the weights.
+
+    ``device`` is not part of the configuration: a run may resume on another machine (the same
+    seed gives the same data; numerics differ between devices).
+    """
+    target = resolve_device(device)
     out_dir = Path(out_dir)
     tokenizer = teacher_tokenizer()
     _seed_everything(config.seed)
@@ -162,6 +179,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
     else:
         model, state = resumed
         step, elapsed, losses = state["step"], state["elapsed_s"], state["losses"]
+    model.to(target)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.98))
@@ -185,6 +203,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
             "train_time_s": round(elapsed, 1),
             "final_loss": losses[-1] if losses else None,
             "torch": torch.__version__,
+            "device": target.type,
         }
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
@@ -192,7 +211,8 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
             "config": asdict(config), "step": step, "elapsed_s": elapsed, "losses": losses,
             "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
         }
-        save_checkpoint(model, tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        save_checkpoint(model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        model.to(target)
         return metadata
 
     metadata = None
@@ -200,15 +220,15 @@ def train(config: TrainConfig, out_dir: str | Path, *, command: str = "", progre
     while step < config.steps:
         started = time.perf_counter()
         examples = [next(stream) for _ in range(config.batch_size)]
-        ids, attention, targets = collate([encode(tokenizer, ex.prompt, ex.output) for ex in examples],
-                                          tokenizer.pad_token_id)
+        ids, attention, targets = (t.to(target) for t in collate(
+            [encode(tokenizer, ex.prompt, ex.output) for ex in examples], tokenizer.pad_token_id))
         weights = None
         if config.event_weight != 1.0:
             is_event = torch.zeros_like(targets)
             for row, ex in enumerate(examples):
                 mask = event_token_mask(tokenizer, ex)
                 is_event[row, : len(mask)] = torch.tensor(mask)
-            weights = 1.0 + (config.event_weight - 1.0) * is_event.float()
+            weights = (1.0 + (config.event_weight - 1.0) * is_event.float()).to(target)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
         loss = output_loss(model, ids, attention, targets, weights)

@@ -88,3 +88,14 @@ def test_event_weight_changes_training_and_weight_one_is_the_plain_loss(tmp_path
     plain = train(replace(TINY, steps=3), tmp_path / "plain", progress=False)
     weighted = train(replace(TINY, steps=3, event_weight=5.0), tmp_path / "weighted", progress=False)
     assert plain["final_loss"] != weighted["final_loss"]
+
+
+def test_device_option_resolves_and_refuses_a_missing_accelerator(tmp_path, monkeypatch):
+    assert train_module.resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_module.resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        train(TINY, tmp_path / "run", progress=False, device="cuda")
+    # the device is not part of the configuration: a CPU run records it and resumes under "auto"
+    metadata = train(replace(TINY, steps=4), tmp_path / "run", progress=False, device="auto")
+    assert metadata["device"] == "cpu"
