@@ -5,6 +5,10 @@ Metrics, per gold mention, read the trace line whose mention text is the gold me
 * ``near_miss_acc``: the line names a real near-miss of the gold code that is among the
   candidates (sibling or excludes code), rejects it, and then writes the gold code;
 * ``code_f1``: micro F1 of the final ``Codes:`` list against the gold codes, over all examples.
+
+``teacher_forced_events`` scores the decisions one by one instead: with the reference output in
+context, each gold event's token is predicted (argmax) or not, at what loss, and by what margin
+over its contrast. It separates "has not learned to select" from "derails while decoding".
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from mistill_lens.events import EVENT_KINDS, events_from_spans
 from mistill_lens.icd import Universe, load_universe
 from mistill_lens.task import Example, parse_output
 
@@ -108,4 +113,27 @@ def evaluate(
         generated = greedy_generate(model, tokenizer, example.prompt)
         scores.add(example, generated, universe)
         outputs.append(generated)
-    return scores.as_dict(), outputs
+    return {**scores.as_dict(), "teacher_forced": teacher_forced_events(model, tokenizer, examples)}, outputs
+
+
+@torch.no_grad()
+def teacher_forced_events(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, examples: list[Example]
+) -> dict[str, dict[str, float]]:
+    """Per event kind: ``n``, ``acc`` (the chosen token is the argmax), ``loss`` (nats) and
+    ``margin`` (mean logit(chosen) - logit(contrast)), with the reference output in context."""
+    totals = {kind: {"n": 0, "acc": 0.0, "loss": 0.0, "margin": 0.0} for kind in EVENT_KINDS}
+    for example_id, example in enumerate(examples):
+        encoded = events_from_spans(example, tokenizer, example_id)
+        logits = model(torch.tensor([encoded.tokens])).logits[0].float()
+        for event in encoded.events:
+            row = logits[event.predict_position]
+            total = totals[event.kind]
+            total["n"] += 1
+            total["acc"] += float(row.argmax().item() == event.chosen_token)
+            total["loss"] -= row.log_softmax(-1)[event.chosen_token].item()
+            total["margin"] += (row[event.chosen_token] - row[list(event.contrast_tokens)].max()).item()
+    return {
+        kind: {"n": t["n"], **{k: round(t[k] / t["n"], 4) for k in ("acc", "loss", "margin")}}
+        for kind, t in totals.items() if t["n"]
+    }

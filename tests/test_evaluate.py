@@ -1,9 +1,15 @@
 """Task metrics: perfect on the reference output, and each metric falls where its part is wrong."""
 
+import math
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from mistill_lens import task
-from mistill_lens.evaluate import Scores
+from mistill_lens.evaluate import Scores, teacher_forced_events
+from mistill_lens.events import EVENT_KINDS, events_from_spans
+from mistill_lens.tokenization import teacher_tokenizer
 from mistill_lens.icd import load_universe
 
 
@@ -52,3 +58,38 @@ def test_naming_a_candidate_that_is_not_a_near_miss_fails_near_miss_acc(examples
 def test_malformed_output_scores_zero(examples):
     result = _score(examples, lambda ex: "garbage\n")
     assert result["code_f1"] == result["region_acc"] == result["near_miss_acc"] == 0.0
+
+
+class _NextTokenOracle(torch.nn.Module):
+    """A planted model: logit 4 on the reference next token (optionally on the event's contrast
+    instead), 0 elsewhere, so every teacher-forced figure has a closed form."""
+
+    def __init__(self, vocab_size: int, prefer_contrast_at: dict[int, int] | None = None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.prefer_contrast_at = prefer_contrast_at or {}
+
+    def forward(self, ids):
+        logits = torch.zeros(ids.shape[0], ids.shape[1], self.vocab_size)
+        for position in range(ids.shape[1] - 1):
+            logits[0, position, self.prefer_contrast_at.get(position, ids[0, position + 1])] = 4.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_teacher_forced_events_have_closed_form_scores(examples):
+    tokenizer = teacher_tokenizer()
+    vocab = len(tokenizer)
+    expected_loss = -(4.0 - math.log(math.exp(4.0) + vocab - 1))
+    perfect = teacher_forced_events(_NextTokenOracle(vocab), tokenizer, examples[:5])
+    assert set(perfect) == set(EVENT_KINDS)
+    for kind, scores in perfect.items():
+        assert scores["acc"] == 1.0 and scores["margin"] == 4.0
+        assert scores["loss"] == pytest.approx(expected_loss, abs=1e-3)
+
+    encoded = events_from_spans(examples[0], tokenizer, 0)
+    region = next(e for e in encoded.events if e.kind == "region")
+    fooled = teacher_forced_events(
+        _NextTokenOracle(vocab, {region.predict_position: region.contrast_tokens[0]}), tokenizer, examples[:1])
+    n_region = fooled["region"]["n"]
+    assert fooled["region"]["acc"] == pytest.approx((n_region - 1) / n_region, abs=1e-4)
+    assert fooled["region"]["margin"] == pytest.approx(4.0 * (n_region - 2) / n_region, abs=1e-4)
