@@ -314,9 +314,10 @@ def test_causal_recovery_reads_the_characterisation_summary():
 
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     run({"objective": "cot", "steps": 2}, teacher, examples, tmp_path / "s0")
-    quick = CharacterizeConfig(ks=(1, 2), progress=False)
+    quick = CharacterizeConfig(ks=(1, 2), z_min=1.5, progress=False)
     result = evaluate_run(tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick)
     assert {"code_f1", "near_miss_acc", "causal_recovery"} <= set(result)
+    assert result["z_min"] == 1.5  # the student's circuit threshold is recorded with its recovery
     assert result["family"] == "llama" and result["objective"] == "cot" and result["seed"] == 0
     summary = write_report([tmp_path / "s0"], tmp_path / "report")
     assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1

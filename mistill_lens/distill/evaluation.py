@@ -50,11 +50,11 @@ def evaluate_run(
     bridge, tokenizer = load_model(run_dir)
     examples = task.generate_examples(n_characterize, seed + 1, "heldout", **task_config)
     reference = task.generate_examples(n_characterize, seed + 2, "heldout", **task_config)
+    config = characterize_config or CharacterizeConfig(seed=seed, progress=progress)
     result = {"run": str(run_dir), **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
-              "n_eval": n_eval, "n_characterize": n_characterize}
+              "n_eval": n_eval, "n_characterize": n_characterize, "z_min": config.z_min}
     try:
-        summary = characterize(bridge, tokenizer, examples, reference, run_dir / "characterization",
-                               characterize_config or CharacterizeConfig(seed=seed, progress=progress))
+        summary = characterize(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
         result.update(causal_recovery(summary), circuit=summary["circuit"])
     except ValueError as err:  # e.g. the student decides no gold event its way
         result.update(causal_recovery({}), characterization_error=str(err))

@@ -74,11 +74,14 @@ def run_distill(args: argparse.Namespace) -> dict:
                        progress=progress)
     result = {k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")}
     if args.n_eval > 0:
+        from mistill_lens.characterize import CharacterizeConfig
+
+        z_min = args.teacher_z_min if args.student_z_min is None else args.student_z_min
         previous = out / EVALUATION_FILE
         done = json.loads(previous.read_text()) if previous.is_file() else {}
-        if done.get("steps") != metadata["step"] or done.get("n_eval") != args.n_eval:
+        if (done.get("steps"), done.get("n_eval"), done.get("z_min")) != (metadata["step"], args.n_eval, z_min):
             done = evaluate_run(out, task_config, n_eval=args.n_eval, n_characterize=args.characterize_n,
-                                progress=progress)
+                                progress=progress, characterize_config=CharacterizeConfig(z_min=z_min, progress=progress))
         result.update({k: done.get(k) for k in ("causal_recovery", "code_f1", "near_miss_acc")})
     print(json.dumps(result))
     return result
@@ -107,6 +110,8 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument("--teacher-heads", default=None, help="heads.json of a teacher characterisation (default: characterise it once, cached)")
     parser.add_argument("--teacher-z-min", type=float, default=3.0,
                         help="calibrated z a teacher head needs to join its circuit, when characterising it here")
+    parser.add_argument("--student-z-min", type=float, default=None,
+                        help="calibrated z a student head needs to join its found circuit (default: --teacher-z-min)")
     parser.add_argument("--cache", default=None, help="folder for teacher generations and characterisation (default: OUT/../distill_cache)")
     parser.add_argument("--n-eval", type=int, default=50, help="held-out examples for code_f1 / near_miss_acc (0: skip evaluation)")
     parser.add_argument("--characterize-n", type=int, default=24, help="examples for each characterisation")
