@@ -318,6 +318,8 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     result = evaluate_run(tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick)
     assert {"code_f1", "near_miss_acc", "causal_recovery"} <= set(result)
     assert result["z_min"] == 1.5  # the student's circuit threshold is recorded with its recovery
+    log = torch.load(tmp_path / "s0" / training_module.TRAINING_STATE_FILE, weights_only=False)["log"]["attention"]
+    assert result["attention_loss_tail"] == pytest.approx(log[-1], abs=1e-5)  # 2 steps: the tail is the last
     assert result["family"] == "llama" and result["objective"] == "cot" and result["seed"] == 0
     summary = write_report([tmp_path / "s0"], tmp_path / "report")
     assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1

@@ -93,3 +93,18 @@ def test_teacher_forced_events_have_closed_form_scores(examples):
     n_region = fooled["region"]["n"]
     assert fooled["region"]["acc"] == pytest.approx((n_region - 1) / n_region, abs=1e-4)
     assert fooled["region"]["margin"] == pytest.approx(4.0 * (n_region - 2) / n_region, abs=1e-4)
+
+
+def test_shipped_teacher_selects_from_the_context_on_heldout_codes():
+    """The shipped teacher decides held-out region and near-miss tokens better than the best
+    context-blind guess. At its K = 4, copying a random candidate's region is right
+    about 3 times in 4, and guessing among the gold region's 2-3 candidates at most 1 in 2;
+    measured 2026-12-03: region 0.97, near-miss 0.75 teacher-forced (held-out, seed 7)."""
+    from mistill_lens.models import load_hf_model, read_metadata
+
+    model, tokenizer = load_hf_model("default")
+    config = read_metadata("default")["config"]
+    heldout = task.generate_examples(48, 7, "heldout", k=config["k"], max_mentions=config["max_mentions"])
+    scores = teacher_forced_events(model.eval(), tokenizer, heldout)
+    assert scores["region"]["acc"] > 0.85
+    assert scores["near_miss"]["acc"] > 0.55

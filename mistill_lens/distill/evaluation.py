@@ -60,6 +60,7 @@ def evaluate_run(
         result.update(causal_recovery({}), characterization_error=str(err))
     metadata = read_metadata(run_dir)
     result.update({k: metadata["config"][k] for k in ("family", "objective", "precision", "seed")},
-                  train_time_s=metadata.get("train_time_s"), steps=metadata.get("step"))
+                  train_time_s=metadata.get("train_time_s"), steps=metadata.get("step"),
+                  attention_loss_tail=metadata.get("attention_loss_tail"))
     (run_dir / EVALUATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result

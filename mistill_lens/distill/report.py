@@ -16,7 +16,7 @@ from mistill_lens.plot import write_figure
 
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
-EXTRA = ["recovery_ablation", "recovery_knock_in", "train_time_s"]
+EXTRA = ["recovery_ablation", "recovery_knock_in", "attention_loss_tail", "train_time_s"]
 
 
 def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:

@@ -96,6 +96,14 @@ def batch_indices(step: int, batch_size: int, n_items: int, seed: int) -> list[i
     return indices
 
 
+def tail_mean(values: Sequence[float], fraction: float = 0.1) -> float | None:
+    """Mean of the last ``fraction`` of ``values`` (at least one), None when empty."""
+    if not values:
+        return None
+    tail = values[-max(1, int(len(values) * fraction)):]
+    return round(sum(tail) / len(tail), 5)
+
+
 def student_losses(student_hf, student_bridge, batch, heads: Sequence[Head], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(CoT loss, attention loss) of one batch from one forward pass of the bridged student."""
     store: dict[int, torch.Tensor] = {}
@@ -177,6 +185,9 @@ def distill(
             "final_loss": log["loss"][-1] if log["loss"] else None,
             "final_cot_loss": log["cot"][-1] if log["cot"] else None,
             "final_attention_loss": log["attention"][-1] if log["attention"] else None,
+            # One batch is noisy (and 0 when it holds no event): the mean over the last tenth of
+            # training compares objectives; the CoT run logs it too, unweighted.
+            "attention_loss_tail": tail_mean(log["attention"]),
             "n_items": len(items), "n_events": n_events, "n_too_long": too_long,
             "student_heads": [list(h) for h in heads],
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
