@@ -15,6 +15,8 @@ seeds=${3:-0 1 2}
 shift $(( $# < 3 ? $# : 3 ))
 [[ ${1:-} == -- ]] && shift
 bin=${MISTILL_LENS:-mistill-lens}
+# Stopping the script stops its runs too (they resume when it is started again).
+trap 'trap - TERM; kill 0' INT TERM
 mkdir -p "$out/logs"
 
 runs=()
@@ -39,6 +41,7 @@ run_one() {
 export -f run_one
 export out bin
 
-run_one "${runs[0]}" "$@"
-printf '%s\n' "${runs[@]:1}" | xargs -P "$jobs" -I{} bash -c 'run_one "$@"' _ {} "$@"
+# In the background and waited for, so that a signal reaches the trap at once.
+run_one "${runs[0]}" "$@" & wait $!
+printf '%s\n' "${runs[@]:1}" | xargs -P "$jobs" -I{} bash -c 'run_one "$@"' _ {} "$@" & wait $!
 "$bin" distill-report --runs "$out"/*-[0-9]* --out "$out/report"

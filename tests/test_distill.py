@@ -323,6 +323,7 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     assert result["family"] == "llama" and result["objective"] == "cot" and result["seed"] == 0
     summary = write_report([tmp_path / "s0"], tmp_path / "report")
     assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1
+    assert summary["llama/cot/fp32-master"]["attention_loss_tail_mean"] == pytest.approx(result["attention_loss_tail"], abs=1e-4)
     for name in ("table.csv", "table.md", "figure.html", "runs.csv"):
         assert (tmp_path / "report" / name).is_file()
     # aggregation over seeds: mean and sample std per cell

@@ -17,6 +17,9 @@ from mistill_lens.plot import write_figure
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
 EXTRA = ["recovery_ablation", "recovery_knock_in", "attention_loss_tail", "train_time_s"]
+# Plotted and in the JSON next to METRICS: whether the student's attention at events moved to the
+# teacher's (training KL over the last tenth of steps; logged by both objectives).
+ATTENTION = "attention_loss_tail"
 
 
 def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -45,13 +48,17 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+def _reported(table: pd.DataFrame) -> list[str]:
+    return METRICS + ([ATTENTION] if f"{ATTENTION}_mean" in table and table[f"{ATTENTION}_mean"].notna().any() else [])
+
+
 def report_json(table: pd.DataFrame) -> dict:
     out = {}
     for _, row in table.iterrows():
         key = "/".join(str(row[c]) for c in CELL)
         out[key] = {"n_seeds": int(row["n_seeds"]),
                     **{f"{m}_{s}": (None if pd.isna(row[f"{m}_{s}"]) else round(float(row[f"{m}_{s}"]), 4))
-                       for m in METRICS for s in ("mean", "std")}}
+                       for m in _reported(table) for s in ("mean", "std")}}
     return out
 
 
@@ -65,11 +72,12 @@ def markdown_table(table: pd.DataFrame) -> str:
 
 def report_figure(table: pd.DataFrame) -> go.Figure:
     """Per metric: bars per family/precision, CoT vs MISTILL side by side, std over seeds as error bars."""
-    fig = make_subplots(rows=1, cols=len(METRICS), subplot_titles=METRICS)
+    metrics = _reported(table)
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
     for objective, color in (("cot", "#7f7f7f"), ("mistill", "#d62728")):
         rows = table[table.objective == objective]
         labels = [f"{f}/{p}" for f, p in zip(rows.family, rows.precision)]
-        for col, metric in enumerate(METRICS, start=1):
+        for col, metric in enumerate(metrics, start=1):
             fig.add_trace(go.Bar(
                 x=labels, y=rows[f"{metric}_mean"], name=objective, legendgroup=objective, showlegend=col == 1,
                 marker_color=color, error_y=dict(type="data", array=rows[f"{metric}_std"].tolist()),
