@@ -99,7 +99,7 @@ def test_shipped_teacher_selects_from_the_context_on_heldout_codes():
     """The shipped teacher decides held-out region and near-miss tokens better than the best
     context-blind guess. At its K = 4, copying a random candidate's region is right
     about 3 times in 4, and guessing among the gold region's 2-3 candidates at most 1 in 2;
-    measured 2026-12-03: region 0.97, near-miss 0.75 teacher-forced (held-out, seed 7)."""
+    measured 2026-12-03 on these 48 examples: region 0.94, near-miss 0.81 teacher-forced."""
     from mistill_lens.models import load_hf_model, read_metadata
 
     model, tokenizer = load_hf_model("default")

@@ -16,10 +16,10 @@ from mistill_lens.plot import write_figure
 
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
-EXTRA = ["recovery_ablation", "recovery_knock_in", "attention_loss_tail", "train_time_s"]
 # Plotted and in the JSON next to METRICS: whether the student's attention at events moved to the
 # teacher's (training KL over the last tenth of steps; logged by both objectives).
 ATTENTION = "attention_loss_tail"
+EXTRA = ["recovery_ablation", "recovery_knock_in", ATTENTION, "train_time_s"]
 
 
 def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
