@@ -51,9 +51,12 @@ def cmd_data(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from mistill_lens.train import TrainConfig, train
 
+    if (args.role == "student") != (args.student is not None):
+        raise SystemExit("error: --role student needs --student llama|gpt2, and --student needs --role student")
+    n_embd = args.n_embd if args.n_embd is not None else (128 if args.role == "teacher" else 96)
     config = TrainConfig(
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=n_embd, student=args.student,
         checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
@@ -101,6 +104,7 @@ def cmd_characterize(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mistill_lens.distill import FAMILIES
     from mistill_lens.task import SPLITS
 
     parser = argparse.ArgumentParser(
@@ -118,7 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(func=cmd_data)
 
     train = sub.add_parser("train", help="train a model from scratch on the coding task (resumable)")
-    train.add_argument("--role", choices=["teacher"], default="teacher")
+    train.add_argument("--role", choices=["teacher", "student"], default="teacher",
+                       help="teacher: the GPT-2 teacher (teacher tokenizer); student: a base student of --student's "
+                            "architecture and tokenizer, to start `distill --student-init` from")
+    train.add_argument("--student", choices=FAMILIES, default=None,
+                       help="with --role student: llama (cross-family, student tokenizer) or gpt2 (same family)")
     train.add_argument("--out", required=True, help="checkpoint folder; rerun the same command to resume")
     train.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     train.add_argument("--steps", type=int, default=3000)
@@ -126,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--n-layer", type=int, default=4)
     train.add_argument("--n-head", type=int, default=4)
-    train.add_argument("--n-embd", type=int, default=128)
+    train.add_argument("--n-embd", type=int, default=None, help="width (default 128 for the teacher, 96 for a student)")
     train.add_argument("--checkpoint-every", type=int, default=250)
     train.add_argument("--event-weight", type=float, default=1.0,
                        help="loss weight of decision-event tokens relative to other output tokens (default 1)")

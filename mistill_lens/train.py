@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens import task
+from mistill_lens.distill.students import build_student, family_tokenizer, student_config
 from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config
 from mistill_lens.tokenization import teacher_tokenizer
 
@@ -48,6 +49,13 @@ class TrainConfig:
     # Loss weight of the decision-event tokens (region, within, near-miss) relative to the
     # other output tokens: they are ~3% of the targets but carry the selection itself.
     event_weight: float = 1.0
+    # None: the GPT-2 teacher. A student family ("llama", "gpt2"): a base student of that
+    # architecture and tokenizer, trained on the references, for `distill --student-init`.
+    student: str | None = None
+
+    @property
+    def role(self) -> str:
+        return "teacher" if self.student is None else "student"
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tuple[list[int], list[bool]]:
@@ -114,6 +122,10 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def role_tokenizer(config: TrainConfig) -> PreTrainedTokenizerFast:
+    return teacher_tokenizer() if config.student is None else family_tokenizer(config.student)
+
+
 def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     torch.manual_seed(config.seed)
     if config.init_from is not None:
@@ -121,6 +133,10 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
         if init_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise CheckpointError(f"--init-from {config.init_from} was trained with another tokenizer")
         return model
+    if config.student is not None:
+        hf_config = student_config(config.student, len(tokenizer), tokenizer.eos_token_id,
+                                   n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd)
+        return build_student(hf_config, config.seed, attn_implementation="sdpa")
     hf_config = teacher_config(
         len(tokenizer), n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
         eos_token_id=tokenizer.eos_token_id,
@@ -164,14 +180,14 @@ def resolve_device(device: str) -> torch.device:
 def train(
     config: TrainConfig, out_dir: str | Path, *, command: str = "", progress: bool = True, device: str = "cpu"
 ) -> dict:
-    """Train (or resume) a teacher; returns the metadata written next to the weights.
+    """Train (or resume) a teacher or base student; returns the metadata written next to the weights.
 
     ``device`` is not part of the configuration: a run may resume on another machine (the same
     seed gives the same data; numerics differ between devices).
     """
     target = resolve_device(device)
     out_dir = Path(out_dir)
-    tokenizer = teacher_tokenizer()
+    tokenizer = role_tokenizer(config)
     _seed_everything(config.seed)
     resumed = _resume(out_dir, config)
     if resumed is None:
@@ -195,7 +211,7 @@ def train(
 
     def checkpoint() -> dict:
         metadata = {
-            "role": "teacher",
+            "role": config.role,
             "command": command,
             "config": asdict(config),
             "step": step,
@@ -216,7 +232,7 @@ def train(
         return metadata
 
     metadata = None
-    bar = tqdm(total=config.steps, initial=step, desc="train teacher", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.role if config.student is None else 'student ' + config.student}", disable=not progress, file=sys.stderr)
     while step < config.steps:
         started = time.perf_counter()
         examples = [next(stream) for _ in range(config.batch_size)]

@@ -24,7 +24,7 @@ from mistill_lens.distill.students import build_student, family_tokenizer, stude
 import mistill_lens.distill.training as training_module
 from mistill_lens.distill.training import DistillConfig, distill, distillation_items, student_losses
 from mistill_lens.events import events_from_spans
-from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, teacher_config, to_bridge
+from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, to_bridge
 from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
 
 TASK = {"universe_size": 300, "k": 8, "max_mentions": 2}
@@ -331,3 +331,35 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     table = summarise(pd.DataFrame(rows))
     assert table["code_f1_mean"][0] == pytest.approx(0.3) and table["code_f1_std"][0] == pytest.approx(0.1414, abs=1e-4)
     assert table["causal_recovery_mean"][0] == pytest.approx(0.3) and table["n_seeds"][0] == 2
+
+
+# --- starting from a base student --------------------------------------------------------------
+
+
+def base_student(family, out):
+    tokenizer = family_tokenizer(family)
+    config = student_config(family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32)
+    model = build_student(config, seed=11)
+    save_checkpoint(model, tokenizer, out, {"role": "student", "step": 7})
+    return out
+
+
+def test_student_init_starts_from_the_base_weights(teacher, examples, tmp_path):
+    base = base_student("llama", tmp_path / "base")
+    metadata = run({"steps": 0, "student_init": str(base)}, teacher, examples, tmp_path / "zero")
+    assert metadata["student_init"]["step"] == 7
+    started, trained = weights(base), weights(tmp_path / "zero")
+    assert started.keys() == trained.keys() and all(torch.equal(started[k], trained[k]) for k in started)
+    fresh = run({"steps": 0}, teacher, examples, tmp_path / "fresh")
+    assert fresh.get("student_init") is None
+    assert not all(torch.equal(started[k], weights(tmp_path / "fresh")[k]) for k in started)
+    moved = run({"steps": 2, "student_init": str(base)}, teacher, examples, tmp_path / "two")
+    assert moved["step"] == 2 and not all(torch.equal(started[k], weights(tmp_path / "two")[k]) for k in started)
+
+
+def test_student_init_refuses_another_family_or_architecture(teacher, examples, tmp_path):
+    base = base_student("gpt2", tmp_path / "gpt2")
+    with pytest.raises(CheckpointError, match="not a llama student"):
+        run({"student_init": str(base)}, teacher, examples, tmp_path / "wrong_family")
+    with pytest.raises(CheckpointError, match="architecture"):
+        run({"family": "gpt2", "n_embd": 48, "student_init": str(base)}, teacher, examples, tmp_path / "wrong_size")

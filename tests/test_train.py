@@ -99,3 +99,16 @@ def test_device_option_resolves_and_refuses_a_missing_accelerator(tmp_path, monk
     # the device is not part of the configuration: a CPU run records it and resumes under "auto"
     metadata = train(replace(TINY, steps=4), tmp_path / "run", progress=False, device="auto")
     assert metadata["device"] == "cpu"
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_base_student_trains_with_its_family_architecture_and_tokenizer(tmp_path, family):
+    from mistill_lens.distill.students import family_tokenizer
+
+    config = replace(TINY, steps=30, batch_size=4, n_layer=2, n_embd=32, checkpoint_every=30, student=family)
+    metadata = train(config, tmp_path / "base", progress=False)
+    model, tokenizer = load_hf_model(tmp_path / "base")
+    losses = torch.load(tmp_path / "base" / train_module.TRAINING_STATE_FILE, weights_only=False)["losses"]
+    assert metadata["role"] == "student" and model.config.model_type == family
+    assert tokenizer.get_vocab() == family_tokenizer(family).get_vocab()
+    assert sum(losses[-5:]) / 5 < 0.8 * losses[0]  # ln(vocab) at the start

@@ -42,6 +42,24 @@ def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config:
     return out / "heads.json"
 
 
+def student_architecture_options(args: argparse.Namespace) -> dict:
+    """Architecture fields of the run: the base student's with --student-init (explicit sizes must
+    agree with it), else --n-layer/--n-head/--n-embd or their defaults."""
+    sizes = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd}
+    if args.student_init is None:
+        defaults = {"n_layer": 4, "n_head": 4, "n_embd": 96}
+        return {k: v if v is not None else defaults[k] for k, v in sizes.items()}
+    import torch
+
+    from mistill_lens.distill.students import load_base_student, student_architecture
+
+    architecture = student_architecture(load_base_student(args.student_init, args.student, torch.float32))
+    conflicting = {k: v for k, v in sizes.items() if v is not None and v != architecture[k]}
+    if conflicting:
+        raise SystemExit(f"error: --student-init {args.student_init} has {architecture}; it conflicts with {conflicting}")
+    return {**architecture, "student_init": str(args.student_init)}
+
+
 def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_generations, weights_digest
@@ -62,9 +80,9 @@ def run_distill(args: argparse.Namespace) -> dict:
     layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
     config = DistillConfig(
         family=args.student, objective=args.objective, precision=args.precision, seed=args.seed, steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, attention_weight=args.attention_weight, n_layer=args.n_layer,
-        n_head=args.n_head, n_embd=args.n_embd, student_layers=layers, checkpoint_every=args.checkpoint_every,
-        teacher=weights_digest(teacher_dir), n_train=args.n_train, data_seed=args.data_seed,
+        batch_size=args.batch_size, lr=args.lr, attention_weight=args.attention_weight, student_layers=layers,
+        checkpoint_every=args.checkpoint_every, teacher=weights_digest(teacher_dir), n_train=args.n_train,
+        data_seed=args.data_seed, **student_architecture_options(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     n_events = sum(len(e.events) for e in examples)
@@ -100,9 +118,11 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--attention-weight", type=float, default=1.0, help="lambda of the attention loss (mistill)")
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=96)
+    parser.add_argument("--n-layer", type=int, default=None, help="student layers (default 4, or --student-init's)")
+    parser.add_argument("--n-head", type=int, default=None, help="student heads per layer (default 4, or --student-init's)")
+    parser.add_argument("--n-embd", type=int, default=None, help="student width (default 96, or --student-init's)")
+    parser.add_argument("--student-init", default=None,
+                        help="start from this base student (`train --role student`) instead of a fresh initialisation")
     parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: upper half)")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--n-train", type=int, default=256, help="training prompts the teacher answers (distillation data)")

@@ -24,6 +24,11 @@ def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
     return student_tokenizer() if family == "llama" else teacher_tokenizer()
 
 
+def default_kv_heads(n_head: int) -> int:
+    """Grouped KV heads of the Llama student: two query heads share one key/value head."""
+    return max(1, n_head // 2)
+
+
 def student_config(
     family: str, vocab_size: int, eos_token_id: int, *, n_layer: int, n_head: int, n_embd: int,
     n_kv_head: int | None = None, n_ctx: int = 1024,
@@ -32,7 +37,7 @@ def student_config(
         return LlamaConfig(
             vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=int(8 * n_embd / 3 + 7) // 8 * 8,
             num_hidden_layers=n_layer, num_attention_heads=n_head,
-            num_key_value_heads=n_kv_head or max(1, n_head // 2),  # grouped KV heads
+            num_key_value_heads=n_kv_head or default_kv_heads(n_head),
             max_position_embeddings=n_ctx, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
             tie_word_embeddings=True, attention_dropout=0.0,
             bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
@@ -43,10 +48,12 @@ def student_config(
     raise ValueError(f"unknown student family {family!r}; expected one of {FAMILIES}")
 
 
-def build_student(config, seed: int) -> PreTrainedModel:
+def build_student(config, seed: int, attn_implementation: str = "eager") -> PreTrainedModel:
+    """A freshly initialised student. Distillation wraps it in the bridge, which computes attention
+    itself, so HF stays ``eager`` there; plain training (a base student) may use ``sdpa``."""
     torch.manual_seed(seed)
     model = (LlamaForCausalLM if isinstance(config, LlamaConfig) else GPT2LMHeadModel)(config)
-    model.config._attn_implementation = "eager"  # the bridge computes attention itself; keep HF consistent
+    model.config._attn_implementation = attn_implementation
     return model
 
 
@@ -74,3 +81,28 @@ def exportable(bridged: PreTrainedModel) -> PreTrainedModel:
         raise KeyError(f"bridged student lacks weights {missing[:4]}")
     fresh.load_state_dict({key: trained[key] for key in fresh.state_dict()})
     return fresh.eval()
+
+
+def student_architecture(model: PreTrainedModel) -> dict:
+    """The `DistillConfig` architecture fields of a Hugging Face student (``n_kv_head`` None: the default grouping)."""
+    config = model.config
+    if isinstance(config, LlamaConfig):
+        n_kv_head = config.num_key_value_heads
+        return {"n_layer": config.num_hidden_layers, "n_head": config.num_attention_heads, "n_embd": config.hidden_size,
+                "n_kv_head": None if n_kv_head == default_kv_heads(config.num_attention_heads) else n_kv_head,
+                "n_ctx": config.max_position_embeddings}
+    return {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "n_kv_head": None,
+            "n_ctx": config.n_positions}
+
+
+def load_base_student(path, family: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A base student (``train --role student``) to start distillation from, checked against `family`."""
+    from mistill_lens.models import CheckpointError, load_hf_model
+
+    model, tokenizer = load_hf_model(path, dtype=dtype, attn_implementation="eager")
+    expected = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
+    if not isinstance(model, expected):
+        raise CheckpointError(f"--student-init {path} holds a {type(model).__name__}, not a {family} student")
+    if tokenizer.get_vocab() != family_tokenizer(family).get_vocab():
+        raise CheckpointError(f"--student-init {path} was trained with another tokenizer than the {family} student's")
+    return model

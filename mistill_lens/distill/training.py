@@ -25,10 +25,11 @@ from mistill_lens.distill.attention import (
     DistillItem, attention_kl, collate_items, heads_in_layers, pattern_recorder, pooled_attention, student_item,
 )
 from mistill_lens.distill.students import (
-    autocast, build_student, context_length, exportable, family_tokenizer, precision_dtype, student_config,
+    autocast, build_student, context_length, exportable, family_tokenizer, load_base_student, precision_dtype,
+    student_architecture, student_config,
 )
 from mistill_lens.hooks import Head, validate_heads
-from mistill_lens.models import CheckpointError, load_hf_model, save_checkpoint, to_bridge
+from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge
 from mistill_lens.train import TRAINING_STATE_FILE, encode, learning_rate, output_loss
 
 
@@ -54,6 +55,9 @@ class DistillConfig:
     teacher: str = ""  # weights digest: a resumed run must use the same teacher and data
     n_train: int = 0
     data_seed: int = 0
+    # A base student's folder (`train --role student`) to start from instead of a fresh
+    # initialisation; the architecture fields above must then be that student's.
+    student_init: str | None = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -157,7 +161,15 @@ def distill(
     dtype = precision_dtype(config.precision)
     torch.manual_seed(config.seed)
     resumed = _resume(out_dir, config)
-    if resumed is None:
+    if resumed is None and config.student_init is not None:
+        student = load_base_student(config.student_init, config.family, dtype)
+        architecture = student_architecture(student)
+        differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
+        if differing:
+            raise CheckpointError(f"--student-init {config.student_init} has architecture {differing}, "
+                                  "unlike the run's configuration")
+        step, elapsed, log = 0, 0.0, {"loss": [], "cot": [], "attention": []}
+    elif resumed is None:
         hf_config = student_config(config.family, len(tokenizer), tokenizer.eos_token_id, n_layer=config.n_layer,
                                    n_head=config.n_head, n_embd=config.n_embd, n_kv_head=config.n_kv_head,
                                    n_ctx=config.n_ctx)
@@ -192,6 +204,7 @@ def distill(
             "student_heads": [list(h) for h in heads],
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
             "torch": torch.__version__, **dict(extra_metadata or {}),
+            **({"student_init": read_metadata(config.student_init)} if config.student_init else {}),
         }
         state = {"config": asdict(config), "step": step, "elapsed_s": elapsed, "log": log,
                  "optimizer": optimizer.state_dict()}
