@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo teacher
+.PHONY: install test demo teacher base-students
 
 install: $(STAMP)
 
@@ -36,3 +36,18 @@ teacher: install
 	mkdir -p mistill_lens/assets/teacher
 	cd runs/teacher_k4 && cp config.json generation_config.json mistill.json model.safetensors \
 		tokenizer.json tokenizer_config.json ../../mistill_lens/assets/teacher/
+
+# Retrain the shipped base students (checkpoints/base_students/{llama,gpt2}) that `distill
+# --student-init` starts from: the students' architectures and tokenizers trained on the task's
+# references at K = 16, up to 4 mentions, 2,500 steps (~18 min gpt2, ~26 min llama, one thread
+# each, run side by side). They learn the trace format and part of the copying, not the choices.
+base-students: install
+	for family in llama gpt2; do \
+		OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role student --student $$family --out runs/base/$$family \
+			--seed 0 --k 16 --max-mentions 4 --steps 2500 --checkpoint-every 250 & \
+	done; wait
+	for family in llama gpt2; do \
+		mkdir -p checkpoints/base_students/$$family; \
+		(cd runs/base/$$family && cp config.json generation_config.json mistill.json model.safetensors \
+			tokenizer.json tokenizer_config.json ../../../checkpoints/base_students/$$family/); \
+	done

@@ -363,3 +363,19 @@ def test_student_init_refuses_another_family_or_architecture(teacher, examples, 
         run({"student_init": str(base)}, teacher, examples, tmp_path / "wrong_family")
     with pytest.raises(CheckpointError, match="architecture"):
         run({"family": "gpt2", "n_embd": 48, "student_init": str(base)}, teacher, examples, tmp_path / "wrong_size")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_shipped_base_students_load_as_their_family_with_their_training_record(family):
+    from pathlib import Path
+
+    from mistill_lens.distill.students import load_base_student
+
+    path = Path(__file__).parent.parent / "checkpoints" / "base_students" / family
+    model = load_base_student(path, family, torch.float32)
+    record = read_metadata(path)
+    assert record["role"] == "student" and record["config"]["student"] == family
+    assert record["step"] == record["config"]["steps"]
+    assert model.config.model_type == family and sum(p.numel() for p in model.parameters()) == record["n_params"]
+    with pytest.raises(CheckpointError, match="not a"):
+        load_base_student(path, "gpt2" if family == "llama" else "llama", torch.float32)
