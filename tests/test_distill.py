@@ -264,6 +264,7 @@ def test_precision_modes_and_families_train_and_reload(teacher, examples, tmp_pa
     assert {t.dtype for t in stored.values()} == {expected}
     model, tokenizer = load_hf_model(tmp_path / "run")
     assert model.config.model_type == ("llama" if family == "llama" else "gpt2")
+    assert metadata["n_params"] == sum(p.numel() for p in model.parameters())  # not the bridge's extra copies
     assert len(tokenizer) == len(family_tokenizer(family))
     if family == "gpt2":
         assert metadata["n_events"] == sum(len(e.events) for e in examples)

@@ -178,6 +178,9 @@ def distill(
     else:
         student, state = resumed
         step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
+    # Counted before bridging: the GPT-2 bridge adds split q/k/v copies of the fused attention
+    # weights (the fused one then gets no gradient), which would inflate the count.
+    n_params = sum(p.numel() for p in student.parameters())
     bridge = to_bridge(student, tokenizer, dtype=dtype)
     bridge.train()
     heads = validate_heads(bridge, config.student_heads())
@@ -187,7 +190,6 @@ def distill(
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
-    n_params = sum(p.numel() for p in parameters)
     n_events = sum(len(item.query_positions) for item in items)
 
     def checkpoint() -> dict:
