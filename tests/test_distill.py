@@ -1,6 +1,7 @@
 """MISTILL: alignment properties, targets and loss, gradients, the lambda = 0 baseline, precision
 modes, bad input, and the evaluation / report path. Tiny random-init teachers and students only."""
 
+import json
 import shutil
 
 import pandas as pd
@@ -18,8 +19,8 @@ from mistill_lens.distill.attention import (
     attention_kl, collate_items, pattern_recorder, pooled_attention, student_item, teacher_head_sets,
 )
 from mistill_lens.distill.data import as_generated, generation_events
-from mistill_lens.distill.evaluation import causal_recovery, evaluate_run
-from mistill_lens.distill.report import summarise, write_report
+from mistill_lens.distill.evaluation import EVALUATION_FILE, causal_recovery, evaluate_run, median_recovery
+from mistill_lens.distill.report import load_evaluations, summarise, write_report
 from mistill_lens.distill.students import build_student, family_tokenizer, student_config
 import mistill_lens.distill.training as training_module
 from mistill_lens.distill.training import DistillConfig, distill, distillation_items, student_losses
@@ -313,11 +314,30 @@ def test_causal_recovery_reads_the_characterisation_summary():
     assert causal_recovery({})["causal_recovery"] is None
 
 
+def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
+    characterization = tmp_path / "characterization"
+    assert median_recovery(characterization) is None  # not characterised
+    characterization.mkdir()
+    (characterization / "summary.json").write_text(json.dumps({"circuit": []}))
+    assert median_recovery(characterization) == 0.0  # no heads selected: carries nothing
+    (characterization / "summary.json").write_text(json.dumps({"circuit": [[1, 0]]}))
+    events = pd.DataFrame({
+        "example_id": [0, 1, 2, 3], "kind": ["near_miss"] * 3 + ["region"], "position": [5, 6, 7, 3],
+        "necessity": [0.4, 0.6, -12.0, 0.9], "sufficiency": [0.0] * 4, "knock_in": [0.2, float("nan"), 0.4, 0.9],
+    })
+    events.to_csv(characterization / "events.csv", index=False)
+    # median necessity 0.4 (the -12 outlier does not drag it), median knock-in 0.3 (NaN skipped)
+    assert median_recovery(characterization) == pytest.approx(0.35)
+    assert median_recovery(characterization, kind="region") == pytest.approx(0.9)
+    assert median_recovery(characterization, kind="within") is None
+
+
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     run({"objective": "cot", "steps": 2}, teacher, examples, tmp_path / "s0")
     quick = CharacterizeConfig(ks=(1, 2), z_min=1.5, progress=False)
     result = evaluate_run(tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick)
-    assert {"code_f1", "near_miss_acc", "causal_recovery"} <= set(result)
+    assert {"code_f1", "near_miss_acc", "causal_recovery", "causal_recovery_median"} <= set(result)
+    assert result["causal_recovery_median"] == median_recovery(tmp_path / "s0" / "characterization")
     assert result["z_min"] == 1.5  # the student's circuit threshold is recorded with its recovery
     log = torch.load(tmp_path / "s0" / training_module.TRAINING_STATE_FILE, weights_only=False)["log"]["attention"]
     assert result["attention_loss_tail"] == pytest.approx(log[-1], abs=1e-5)  # 2 steps: the tail is the last
@@ -327,6 +347,10 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     assert summary["llama/cot/fp32-master"]["attention_loss_tail_mean"] == pytest.approx(result["attention_loss_tail"], abs=1e-4)
     for name in ("table.csv", "table.md", "figure.html", "runs.csv"):
         assert (tmp_path / "report" / name).is_file()
+    # an evaluation written before the median was recorded gets it from its per-event table
+    evaluation = json.loads((tmp_path / "s0" / EVALUATION_FILE).read_text())
+    (tmp_path / "s0" / EVALUATION_FILE).write_text(json.dumps({k: v for k, v in evaluation.items() if k != "causal_recovery_median"}))
+    assert load_evaluations([tmp_path / "s0"])["causal_recovery_median"][0] == result["causal_recovery_median"]
     # aggregation over seeds: mean and sample std per cell
     rows = [{**result, "seed": s, "code_f1": f, "causal_recovery": r} for s, f, r in ((0, 0.2, 0.1), (1, 0.4, 0.5))]
     table = summarise(pd.DataFrame(rows))

@@ -5,7 +5,9 @@ The student's heads are found by the characterisation pipeline
 teacher. Causal recovery of the contrastive decision = the mean, over decided near-miss
 events, of the fraction of the student's margin its found circuit (the union over event kinds,
 as the characterisation reports it) carries, by exact mean-ablation (necessity) and by knock-in
-transfer; ``causal_recovery`` is the mean of the two.
+transfer; ``causal_recovery`` is the mean of the two. Per-event fractions are ratios to the
+clean margin, so one event with a barely positive margin can dominate that mean (a fraction of
+-10); ``causal_recovery_median`` takes the median over events of each measure instead.
 A student whose characterisation selects no heads carries none of it (recovery 0); one that
 decides no gold event its way has no recovery to measure (None).
 """
@@ -13,7 +15,10 @@ decides no gold event its way has no recovery to measure (None).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pandas as pd
 
 from mistill_lens import task
 from mistill_lens.characterize import CharacterizeConfig, characterize
@@ -38,6 +43,24 @@ def causal_recovery(summary: dict, kind: str = "near_miss") -> dict:
             "near_miss_circuit": measures.get("circuit", [])}
 
 
+def median_recovery(characterization_dir: str | Path, kind: str = "near_miss") -> float | None:
+    """(median necessity + median knock-in) / 2 over `kind`'s events, from a characterisation's
+    per-event table (``events.csv``); 0 when it selected no heads, None when it did not finish or
+    decided no such event, as for :func:`causal_recovery`."""
+    characterization_dir = Path(characterization_dir)
+    summary_path = characterization_dir / "summary.json"
+    if not summary_path.is_file():
+        return None
+    if not json.loads(summary_path.read_text()).get("circuit"):
+        return 0.0
+    events = pd.read_csv(characterization_dir / "events.csv")
+    events = events[events.kind == kind]
+    if events.empty:
+        return None
+    knock_in = events.knock_in.median()  # NaN rows (no donor pair) are skipped; none left: 0, as in the mean
+    return float((events.necessity.median() + (0.0 if math.isnan(knock_in) else knock_in)) / 2)
+
+
 def evaluate_run(
     run_dir: str | Path, task_config: dict, *, n_eval: int = 50, n_characterize: int = 24, seed: int = 0,
     progress: bool = True, characterize_config: CharacterizeConfig | None = None,
@@ -55,9 +78,10 @@ def evaluate_run(
               "n_eval": n_eval, "n_characterize": n_characterize, "z_min": config.z_min}
     try:
         summary = characterize(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
-        result.update(causal_recovery(summary), circuit=summary["circuit"])
+        result.update(causal_recovery(summary), causal_recovery_median=median_recovery(run_dir / "characterization"),
+                      circuit=summary["circuit"])
     except ValueError as err:  # e.g. the student decides no gold event its way
-        result.update(causal_recovery({}), characterization_error=str(err))
+        result.update(causal_recovery({}), causal_recovery_median=None, characterization_error=str(err))
     metadata = read_metadata(run_dir)
     result.update({k: metadata["config"][k] for k in ("family", "objective", "precision", "seed")},
                   train_time_s=metadata.get("train_time_s"), steps=metadata.get("step"),

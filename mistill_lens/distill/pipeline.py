@@ -100,7 +100,7 @@ def run_distill(args: argparse.Namespace) -> dict:
         if (done.get("steps"), done.get("n_eval"), done.get("z_min")) != (metadata["step"], args.n_eval, z_min):
             done = evaluate_run(out, task_config, n_eval=args.n_eval, n_characterize=args.characterize_n,
                                 progress=progress, characterize_config=CharacterizeConfig(z_min=z_min, progress=progress))
-        result.update({k: done.get(k) for k in ("causal_recovery", "code_f1", "near_miss_acc")})
+        result.update({k: done.get(k) for k in ("causal_recovery", "causal_recovery_median", "code_f1", "near_miss_acc")})
     print(json.dumps(result))
     return result
 

@@ -233,7 +233,7 @@ def distill(
         step += 1
         elapsed += time.perf_counter() - started
         for name, value in (("loss", loss), ("cot", cot), ("attention", attention)):
-            log[name].append(round(float(value), 5))
+            log[name].append(round(value.item(), 5))
         bar.update(1)
         bar.set_postfix(cot=f"{cot.item():.3f}", att=f"{attention.item():.3f}")
         if step % config.checkpoint_every == 0 or step == config.steps:
