@@ -20,7 +20,7 @@ from mistill_lens.distill.attention import (
 )
 from mistill_lens.distill.data import as_generated, generation_events
 from mistill_lens.distill.evaluation import EVALUATION_FILE, causal_recovery, evaluate_run, median_recovery
-from mistill_lens.distill.report import load_evaluations, summarise, write_report
+from mistill_lens.distill.report import load_evaluations, paired_comparison, sign_flip_p_value, summarise, write_report
 from mistill_lens.distill.students import build_student, family_tokenizer, student_config
 import mistill_lens.distill.training as training_module
 from mistill_lens.distill.training import DistillConfig, distill, distillation_items, student_losses
@@ -332,6 +332,28 @@ def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
     assert median_recovery(characterization, kind="within") is None
 
 
+def test_sign_flip_p_value_known_answers():
+    assert sign_flip_p_value([1.0, 2.0, 3.0]) == pytest.approx(2 / 8)  # only all-plus and all-minus reach |6|
+    assert sign_flip_p_value([1.0, -1.0]) == 1.0
+    assert sign_flip_p_value([0.5, 0.1, 0.3, 0.2, 0.4, 0.6]) == pytest.approx(2 / 64)
+    assert sign_flip_p_value([1.0] * 20) < 1e-3  # Monte Carlo beyond 16 pairs; exact value 2 / 2^20
+    assert sign_flip_p_value([1.0] * 20, seed=3) == sign_flip_p_value([1.0] * 20, seed=3)
+    with pytest.raises(ValueError, match="paired differences"):
+        sign_flip_p_value([0.1, float("nan")])
+
+
+def test_paired_comparison_pairs_objectives_by_seed():
+    rows = [{"family": "llama", "precision": "bf16", "objective": objective, "seed": seed, "causal_recovery": value,
+             "code_f1": 0.1, "near_miss_acc": 0.0}
+            for objective, values in (("cot", [0.1, 0.2, 0.3, 0.9]), ("mistill", [0.3, 0.5, 0.4]))
+            for seed, value in enumerate(values)]  # seed 3 has no MISTILL run: left out of the pairs
+    paired = paired_comparison(pd.DataFrame(rows)).set_index("metric")
+    recovery = paired.loc["causal_recovery"]
+    assert recovery.n_pairs == 3 and recovery.mistill_higher == 3
+    assert recovery.difference_mean == pytest.approx(0.2) and recovery.p_value == pytest.approx(0.25)
+    assert paired.loc["code_f1"].mistill_higher == 0 and paired.loc["code_f1"].p_value == 1.0
+
+
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     run({"objective": "cot", "steps": 2}, teacher, examples, tmp_path / "s0")
     quick = CharacterizeConfig(ks=(1, 2), z_min=1.5, progress=False)
@@ -345,7 +367,7 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     summary = write_report([tmp_path / "s0"], tmp_path / "report")
     assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1
     assert summary["llama/cot/fp32-master"]["attention_loss_tail_mean"] == pytest.approx(result["attention_loss_tail"], abs=1e-4)
-    for name in ("table.csv", "table.md", "figure.html", "runs.csv"):
+    for name in ("table.csv", "table.md", "figure.html", "runs.csv", "paired.csv"):
         assert (tmp_path / "report" / name).is_file()
     # an evaluation written before the median was recorded gets it from its per-event table
     evaluation = json.loads((tmp_path / "s0" / EVALUATION_FILE).read_text())

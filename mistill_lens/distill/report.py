@@ -1,5 +1,6 @@
 """The results table over runs: per student family x objective x precision, mean and std over
-seeds of causal recovery and task accuracy, with a plotly figure."""
+seeds of causal recovery and task accuracy, with a plotly figure; and MISTILL vs CoT paired by
+seed (same data, order and initialisation: the seed is the unit of replication)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -53,6 +55,44 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+EXACT_PAIRS_MAX = 16  # up to 2^16 sign patterns enumerated; beyond, a seeded Monte Carlo sample
+MONTE_CARLO_FLIPS = 100_000
+
+
+def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
+    """Two-sided p-value of a paired sign-flip permutation test of mean difference 0: the share of
+    sign patterns whose |sum| is at least the observed one (exact for few pairs)."""
+    d = np.asarray(differences, dtype=float)
+    if d.size == 0 or np.isnan(d).any():
+        raise ValueError(f"paired differences must be a non-empty list of numbers, got {list(differences)}")
+    if d.size <= EXACT_PAIRS_MAX:
+        signs = 1 - 2 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)
+    else:
+        signs = np.random.default_rng(seed).choice([-1, 1], size=(MONTE_CARLO_FLIPS, d.size))
+    return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) - 1e-12))
+
+
+def paired_comparison(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per family x precision x metric: MISTILL minus CoT over the seeds both objectives ran, with
+    how many seeds MISTILL is higher and the sign-flip p-value."""
+    rows = []
+    metrics = [m for m in METRICS + [MEDIAN] if m in frame]
+    for (family, precision), runs in frame.groupby(["family", "precision"], sort=True):
+        for metric in metrics:
+            pivot = runs.pivot_table(index="seed", columns="objective", values=metric, aggfunc="first")
+            if not {"cot", "mistill"} <= set(pivot.columns):
+                continue
+            both = pivot[["cot", "mistill"]].astype(float).dropna()
+            if both.empty:
+                continue
+            diff = both.mistill - both.cot
+            rows.append({"family": family, "precision": precision, "metric": metric, "n_pairs": len(both),
+                         "cot_mean": both.cot.mean(), "mistill_mean": both.mistill.mean(),
+                         "difference_mean": diff.mean(), "mistill_higher": int((diff > 0).sum()),
+                         "p_value": sign_flip_p_value(diff.tolist())})
+    return pd.DataFrame(rows)
+
+
 def _reported(table: pd.DataFrame) -> list[str]:
     optional = [MEDIAN, ATTENTION]
     return METRICS + [m for m in optional if f"{m}_mean" in table and table[f"{m}_mean"].notna().any()]
@@ -93,13 +133,17 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
-    """Write ``runs.csv``, ``table.csv``, ``table.md`` and ``figure.html``; returns the JSON summary."""
+    """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md`` and ``figure.html``; returns the
+    JSON summary."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     frame = load_evaluations(run_dirs)
     frame.to_csv(out_dir / "runs.csv", index=False)
     table = summarise(frame)
     table.to_csv(out_dir / "table.csv", index=False)
-    (out_dir / "table.md").write_text(markdown_table(table))
+    paired = paired_comparison(frame)
+    paired.to_csv(out_dir / "paired.csv", index=False)
+    (out_dir / "table.md").write_text(markdown_table(table) + (
+        "\nMISTILL vs CoT, paired by seed (sign-flip permutation p-value):\n\n" + markdown_table(paired) if len(paired) else ""))
     write_figure(report_figure(table), out_dir / "figure.html")
     return report_json(table)
