@@ -282,6 +282,31 @@ def test_bf16_and_fp32_master_runs_differ_but_both_learn(teacher, examples, tmp_
 # --- bad input -------------------------------------------------------------------------------
 
 
+def test_an_explicit_student_head_set_is_pooled_and_resumes(teacher, examples, tmp_path):
+    config = {"student_head_set": ((1, 0),), "steps": 2, "checkpoint_every": 1}
+    metadata = run(config, teacher, examples, tmp_path / "one")
+    assert metadata["student_heads"] == [[1, 0]]
+    # the single head is what the attention loss reads: a different head gives a different loss
+    other = run({**config, "student_head_set": ((1, 1),)}, teacher, examples, tmp_path / "other")
+    assert other["final_attention_loss"] != metadata["final_attention_loss"]
+    # rerunning the finished run is a resume: its saved head set compares equal to the requested one
+    assert run(config, teacher, examples, tmp_path / "one")["final_attention_loss"] == metadata["final_attention_loss"]
+    with pytest.raises(CheckpointError, match="student_head_set"):
+        run({**config, "student_head_set": ((0, 0),)}, teacher, examples, tmp_path / "one")
+    with pytest.raises(ValueError, match="either as layers or as a head set"):
+        DistillConfig(student_layers=(1,), student_head_set=((1, 0),))
+    with pytest.raises(ValueError, match="empty head set"):
+        run({"student_head_set": ()}, teacher, examples, tmp_path / "empty")
+
+
+def test_student_heads_option_parses_layer_dot_head():
+    from mistill_lens.distill.pipeline import parse_head_set
+
+    assert parse_head_set("3.3, 2.0") == ((3, 3), (2, 0))
+    with pytest.raises(SystemExit, match="LAYER.HEAD"):
+        parse_head_set("3-3")
+
+
 def test_bad_input_gives_clear_errors(teacher, examples, tmp_path):
     bridge, tokenizer = teacher
     heads = teacher_head_sets(TEACHER_HEADS)

@@ -60,6 +60,17 @@ def student_architecture_options(args: argparse.Namespace) -> dict:
     return {**architecture, "student_init": str(args.student_init)}
 
 
+def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
+    """``"3.3,2.0"`` -> ((3, 3), (2, 0)): comma-separated LAYER.HEAD pairs."""
+    heads = []
+    for part in text.split(","):
+        layer, dot, head = part.strip().partition(".")
+        if not (dot and layer.isdigit() and head.isdigit()):
+            raise SystemExit(f"error: --student-heads takes comma-separated LAYER.HEAD pairs such as 3.3,2.0; got {part!r}")
+        heads.append((int(layer), int(head)))
+    return tuple(heads)
+
+
 def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_generations, weights_digest
@@ -78,9 +89,11 @@ def run_distill(args: argparse.Namespace) -> dict:
     heads_by_kind = teacher_head_sets(read_heads_json(heads_path))
     examples = teacher_generations(teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress)
     layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
+    head_set = parse_head_set(args.student_heads) if args.student_heads else None
     config = DistillConfig(
         family=args.student, objective=args.objective, precision=args.precision, seed=args.seed, steps=args.steps,
         batch_size=args.batch_size, lr=args.lr, attention_weight=args.attention_weight, student_layers=layers,
+        student_head_set=head_set,
         checkpoint_every=args.checkpoint_every, teacher=weights_digest(teacher_dir), n_train=args.n_train,
         data_seed=args.data_seed, **student_architecture_options(args),
     )
@@ -124,6 +137,8 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument("--student-init", default=None,
                         help="start from this base student (`train --role student`) instead of a fresh initialisation")
     parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: upper half)")
+    parser.add_argument("--student-heads", default=None,
+                        help="comma-separated LAYER.HEAD student heads whose attention is pooled (instead of --student-layers)")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--n-train", type=int, default=256, help="training prompts the teacher answers (distillation data)")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the training prompts (shared by all runs)")

@@ -50,6 +50,7 @@ class DistillConfig:
     n_embd: int = 96
     n_kv_head: int | None = None
     student_layers: tuple[int, ...] | None = None  # heads pooled in the student; None: the upper half
+    student_head_set: tuple[Head, ...] | None = None  # explicit (layer, head) pairs instead of whole layers
     n_ctx: int = 1024
     checkpoint_every: int = 100
     teacher: str = ""  # weights digest: a resumed run must use the same teacher and data
@@ -64,12 +65,16 @@ class DistillConfig:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
         precision_dtype(self.precision)
         family_tokenizer(self.family)
+        if self.student_layers is not None and self.student_head_set is not None:
+            raise ValueError("give the student's pooled heads either as layers or as a head set, not both")
 
     @property
     def effective_weight(self) -> float:
         return self.attention_weight if self.objective == "mistill" else 0.0
 
     def student_heads(self) -> list[Head]:
+        if self.student_head_set is not None:
+            return [tuple(head) for head in self.student_head_set]
         layers = self.student_layers if self.student_layers is not None else range(self.n_layer // 2, self.n_layer)
         return heads_in_layers(self.n_head, list(layers))
 
@@ -122,7 +127,9 @@ def _resume(out_dir: Path, config: DistillConfig):
     if not state_path.is_file():
         return None
     state = torch.load(state_path, weights_only=False)
-    saved = DistillConfig(**{**state["config"], "student_layers": _tuple(state["config"]["student_layers"])})
+    head_set = state["config"].get("student_head_set")
+    saved = DistillConfig(**{**state["config"], "student_layers": _tuple(state["config"]["student_layers"]),
+                             "student_head_set": None if head_set is None else tuple(tuple(h) for h in head_set)})
     if saved != config:
         differing = [f.name for f in fields(DistillConfig) if getattr(saved, f.name) != getattr(config, f.name)]
         raise CheckpointError(
