@@ -299,6 +299,27 @@ def test_an_explicit_student_head_set_is_pooled_and_resumes(teacher, examples, t
         run({"student_head_set": ()}, teacher, examples, tmp_path / "empty")
 
 
+def test_default_student_heads_are_homologous_only_for_a_same_family_student_of_the_teachers_shape():
+    teacher_heads = [(0, 1), (1, 0), (1, 0)]
+    same = DistillConfig(**{**TINY, "family": "gpt2"})
+    assert same.student_heads((2, 2), teacher_heads) == [(0, 1), (1, 0)]
+    assert same.student_heads((4, 2), teacher_heads) == [(1, 0), (1, 1)]  # another shape: the upper half
+    assert DistillConfig(**{**TINY, "family": "llama"}).student_heads((2, 2), teacher_heads) == [(1, 0), (1, 1)]
+    assert DistillConfig(**{**TINY, "family": "gpt2", "student_layers": (0,)}).student_heads((2, 2), teacher_heads) == [(0, 0), (0, 1)]
+
+
+def test_a_run_trained_with_other_heads_is_not_resumed_with_new_ones(teacher, examples, tmp_path):
+    bridge, tokenizer = teacher
+    config = DistillConfig(**{**TINY, "family": "gpt2", "objective": "mistill", "steps": 1})
+    metadata = distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), tmp_path / "run", progress=False)
+    assert metadata["student_heads"] == [[0, 1], [1, 0], [1, 1]]  # the tiny teacher's circuit, homologous
+    # as if the run had been made under another default: resuming must not silently switch heads
+    metadata_path = tmp_path / "run" / "mistill.json"
+    metadata_path.write_text(json.dumps({**json.loads(metadata_path.read_text()), "student_heads": [[1, 0], [1, 1]]}))
+    with pytest.raises(CheckpointError, match="pooling student heads"):
+        distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), tmp_path / "run", progress=False)
+
+
 def test_student_heads_option_parses_layer_dot_head():
     from mistill_lens.distill.pipeline import parse_head_set
 

@@ -136,7 +136,8 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument("--n-embd", type=int, default=None, help="student width (default 96, or --student-init's)")
     parser.add_argument("--student-init", default=None,
                         help="start from this base student (`train --role student`) instead of a fresh initialisation")
-    parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: upper half)")
+    parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: a same-family student "
+                             "of the teacher's shape pools the teacher's head positions, others the upper half)")
     parser.add_argument("--student-heads", default=None,
                         help="comma-separated LAYER.HEAD student heads whose attention is pooled (instead of --student-layers)")
     parser.add_argument("--checkpoint-every", type=int, default=100)

@@ -28,7 +28,7 @@ from mistill_lens.distill.students import (
     autocast, build_student, context_length, exportable, family_tokenizer, load_base_student, precision_dtype,
     student_architecture, student_config,
 )
-from mistill_lens.hooks import Head, validate_heads
+from mistill_lens.hooks import Head, n_layers_heads, validate_heads
 from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge
 from mistill_lens.train import TRAINING_STATE_FILE, encode, learning_rate, output_loss
 
@@ -49,8 +49,10 @@ class DistillConfig:
     n_head: int = 4
     n_embd: int = 96
     n_kv_head: int | None = None
-    student_layers: tuple[int, ...] | None = None  # heads pooled in the student; None: the upper half
-    student_head_set: tuple[Head, ...] | None = None  # explicit (layer, head) pairs instead of whole layers
+    # Heads pooled in the student: whole layers, or explicit (layer, head) pairs; neither: the
+    # default of `student_heads`.
+    student_layers: tuple[int, ...] | None = None
+    student_head_set: tuple[Head, ...] | None = None
     n_ctx: int = 1024
     checkpoint_every: int = 100
     teacher: str = ""  # weights digest: a resumed run must use the same teacher and data
@@ -72,11 +74,20 @@ class DistillConfig:
     def effective_weight(self) -> float:
         return self.attention_weight if self.objective == "mistill" else 0.0
 
-    def student_heads(self) -> list[Head]:
+    def student_heads(self, teacher_shape: tuple[int, int] | None = None,
+                      teacher_heads: Sequence[Head] = ()) -> list[Head]:
+        """The student heads whose attention is pooled. Default: for a same-family student of the
+        teacher's shape (`teacher_shape` = its layers, heads), the teacher's own head positions
+        (`teacher_heads`): the homologous heads; otherwise every head of the upper half of the layers.
+        Pooling many student heads toward a one-head target collapses a same-family student
+        (docs/distill.md), while supervising the homologous head transfers the mechanism."""
         if self.student_head_set is not None:
             return [tuple(head) for head in self.student_head_set]
-        layers = self.student_layers if self.student_layers is not None else range(self.n_layer // 2, self.n_layer)
-        return heads_in_layers(self.n_head, list(layers))
+        if self.student_layers is not None:
+            return heads_in_layers(self.n_head, list(self.student_layers))
+        if self.family == "gpt2" and teacher_shape == (self.n_layer, self.n_head) and teacher_heads:
+            return sorted(set(teacher_heads))
+        return heads_in_layers(self.n_head, list(range(self.n_layer // 2, self.n_layer)))
 
 
 def distillation_items(
@@ -190,7 +201,13 @@ def distill(
     n_params = sum(p.numel() for p in student.parameters())
     bridge = to_bridge(student, tokenizer, dtype=dtype)
     bridge.train()
-    heads = validate_heads(bridge, config.student_heads())
+    heads = validate_heads(bridge, config.student_heads(
+        n_layers_heads(teacher), [head for kind_heads in heads_by_kind.values() for head in kind_heads]))
+    if resumed is not None:
+        trained_with = [tuple(h) for h in read_metadata(out_dir).get("student_heads", heads)]
+        if trained_with != list(heads):
+            raise CheckpointError(f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
+                                  f"{list(heads)} (a changed default?): pass --student-heads to match, or use another --out")
     items, too_long = distillation_items(examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind,
                                          context_length(student))
     parameters = [p for p in student.parameters() if p.requires_grad]
