@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 from mistill_lens.tokenization import load_tokenizer
 
@@ -80,7 +81,14 @@ def save_checkpoint(
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    model.save_pretrained(staging, safe_serialization=True)
+    # One shard: transformers' per-shard progress bar would only clutter logs of long runs.
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(staging)
     (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     for name, state in (training_state or {}).items():
