@@ -63,6 +63,8 @@ class Calibration:
     null_mean: Float[Tensor, "layer head"]
     null_std: Float[Tensor, "layer head"]
     std_floor: float
+    n_events: tuple[int, ...] = ()  # real events per kind, in `kinds` order
+    n_null: int = 0
 
     @property
     def above_null(self) -> Float[Tensor, "kind layer head"]:
@@ -108,4 +110,6 @@ def calibrate(
         raise FloatingPointError("NaN head effect passed to calibrate")
     kinds = tuple(dict.fromkeys(real_kinds))
     raw = torch.stack([real_effects[kind_mask(real_kinds, kind)].mean(dim=0) for kind in kinds])
-    return Calibration(kinds, raw, null_effects.mean(dim=0), null_effects.std(dim=0), std_floor)
+    n_events = tuple(int(kind_mask(real_kinds, kind).sum()) for kind in kinds)
+    return Calibration(kinds, raw, null_effects.mean(dim=0), null_effects.std(dim=0), std_floor, n_events,
+                       null_effects.shape[0])

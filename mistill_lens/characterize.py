@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -26,7 +28,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens import plot
+from mistill_lens import options, plot
+from mistill_lens.options import check_options
 from mistill_lens.calibration import Calibration, calibrate, null_events
 from mistill_lens.circuits import (
     ablation_curve, attention_mass, circuit_report, family_targets, head_families, phase_structure, select_circuit,
@@ -35,10 +38,17 @@ from mistill_lens.elicitation import carrying_heads, elicitation_curve, elicitat
 from mistill_lens.events import (
     DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, kind_mask, make_event_batch,
 )
+from mistill_lens.fingerprint import StaleResultWarning
+from mistill_lens.runs import claim_run_dir, legacy_run
 from mistill_lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
 from mistill_lens.sweep import ablation_sweep, clean_margins, effects_tensor
 
 REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
+RUN_KIND = "characterize"
+# Files a characterisation writes: the resumable sweeps, and what each run derives afresh.
+RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
+DERIVED_FILES = ("attribution.csv", "calibration.csv", "events.csv", "families.csv", "elicitation.csv",
+                 "ablation_curve.csv", "heads.json", "summary.json", "figures")
 
 
 @dataclass
@@ -59,6 +69,18 @@ class CharacterizeConfig:
     # the top N; heads not swept enter calibration with zero effect, so they are never selected.
     sweep_top: int | None = None
     progress: bool = True
+    # A sweep table in the output folder computed from other inputs (model, events, reference
+    # means): "error" refuses to resume it, "recompute" discards it and sweeps again (recorded).
+    stale: str = "error"
+    # Fewer decided events of a kind than this: its measures are reported with a warning.
+    min_events_per_kind: int = 5
+
+    def __post_init__(self):
+        check_options(self, seed=options.seed, null_per_event=options.positive, attribution_batch_size=options.positive,
+                      curve_points=options.positive, sweep_top=options.positive,
+                      min_events_per_kind=options.non_negative)
+        if self.stale not in ("error", "recompute"):
+            raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
 
 def task_near_miss(example: Any, event: DecisionEvent) -> str | None:
@@ -128,9 +150,50 @@ def characterize(
     the reference runs. `region_candidates` (token ids) default to every token chosen or
     contrasted at a region event here. `provenance` (e.g. the command) is stored in the summary.
     """
+    if not examples:
+        raise ValueError("no examples to characterise: give at least one example with decision events")
+    if not reference_examples:
+        raise ValueError("no reference examples: the mean-ablation means need at least one")
     torch.manual_seed(config.seed)
-    out_dir = Path(out_dir)
-    (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+    out_dir = prepare_output(out_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = _characterize(model, tokenizer, examples, reference_examples, out_dir, config, region_candidates,
+                                near_miss_text)
+    for warning in caught:  # ours go into the summary, anyone else's back to the caller
+        if issubclass(warning.category, StaleResultWarning):
+            summary["warnings"].append(str(warning.message))
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    summary["config"] = asdict(config)
+    summary.update(provenance or {})
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def claim_characterize_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
+    return claim_run_dir(out_dir, RUN_KIND, legacy_run(
+        ["summary.json"], [*RESUMABLE_FILES, *DERIVED_FILES, *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
+                           "generations.jsonl", "reference_generations.jsonl"]))
+
+
+def prepare_output(out_dir: str | Path) -> Path:
+    """Claim `out_dir` as a characterisation folder and remove what an earlier run derived there
+    (every derived file is rewritten; a figure or table this run does not make must not survive)."""
+    out_dir = claim_characterize_dir(out_dir)
+    for name in DERIVED_FILES:
+        target = out_dir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    (out_dir / "figures").mkdir()
+    return out_dir
+
+
+def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path, config: CharacterizeConfig,
+                  region_candidates, near_miss_text) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded = encode(examples, tokenizer)
     reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
@@ -146,8 +209,10 @@ def characterize(
 
     attribution = chunked_attribution(model, batch, means, config.attribution_batch_size)
     swept = all_heads(model) if config.sweep_top is None else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
-    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", heads=swept, progress=config.progress)
-    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", heads=swept, progress=config.progress)
+    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", heads=swept, progress=config.progress,
+                           stale=config.stale)
+    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", heads=swept, progress=config.progress,
+                                stale=config.stale)
     exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
     null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
     pd.DataFrame([
@@ -162,7 +227,14 @@ def characterize(
     circuit = circuits["all"]
     (out_dir / "heads.json").write_text(json.dumps(heads_json(calibration, circuits), indent=2))
 
+    warned = [f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
+              "its circuit measures rest on very few events" for kind in dict.fromkeys(batch.kinds)
+              if batch.kinds.count(kind) < config.min_events_per_kind]
+    if not circuit:
+        warned.append(f"no head passes z >= {config.z_min}: the circuit is empty, so necessity, sufficiency and "
+                      "knock-in are not measured (see top_heads, or lower z_min)")
     summary: dict[str, Any] = {
+        "warnings": warned,
         "circuit_size": len(circuit), "n_heads_total": n_layers * n_heads, "n_heads_swept": len(swept),
         "circuit": [list(h) for h in circuit],
         "n_examples": len(encoded), "n_events": len(every_event), "n_decided_events": len(batch),
@@ -201,7 +273,12 @@ def characterize(
         summary["families"] = {f"L{l}H{h}/{k}": fam for k, l, h, fam in
                                zip(in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family)}
 
-    summary["elicitation"] = _elicitation(model, batch, circuits.get("region", []), region_candidates, config, out_dir)
+    summary["elicitation"], elicitation = _elicitation(model, batch, circuits.get("region", []), region_candidates,
+                                                       config)
+    if elicitation is not None:
+        elicitation.to_csv(out_dir / "elicitation.csv", index=False)
+    else:
+        warned.append(f"early elicitation skipped: {summary['elicitation']['skipped']}")
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
     curve = ablation_curve(model, batch, means, ranked, seed=config.seed, max_points=config.curve_points)
@@ -212,30 +289,26 @@ def characterize(
     plot.write_figure(plot.ablation_curve_figure(curve), figures / "ablation_curve.html")
     if len(families_table):
         plot.write_figure(plot.attention_families_figure(families_table), figures / "attention_families.html")
-    elicitation_path = out_dir / "elicitation.csv"
-    if elicitation_path.exists():
-        plot.write_figure(plot.elicitation_figure(pd.read_csv(elicitation_path)), figures / "elicitation.html")
-
-    summary["config"] = asdict(config)
-    summary.update(provenance or {})
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if elicitation is not None:
+        plot.write_figure(plot.elicitation_figure(elicitation), figures / "elicitation.html")
     return summary
 
 
-def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candidates, config: CharacterizeConfig, out_dir: Path) -> dict:
-    """Readout curve, lead in tokens, and the early head set vs the late (region circuit) set."""
+def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candidates,
+                 config: CharacterizeConfig) -> tuple[dict, pd.DataFrame | None]:
+    """Readout summary (lead in tokens, the early head set vs the late region-circuit set) and the
+    readout curve; the curve is None when elicitation was skipped."""
     regions = batch.of_kind("region") if "region" in batch.kinds else None
     if regions is None or len({e.example_id for e in regions.events}) < 4:
-        return {"skipped": "fewer than 4 examples with a decided region event"}
+        return {"skipped": "fewer than 4 examples with a decided region event"}, None
     candidates = region_candidates or sorted({int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]})
     curve = elicitation_curve(model, regions, candidates, config.ks, seed=config.seed)
-    curve.to_csv(out_dir / "elicitation.csv", index=False)
     lead = {method: elicitation_lead(curve, method, config.elicitation_threshold) for method in ("probe", "logit_lens")}
     # the earliest position still readable (at least 2: k=1 is the decision position itself)
     k_early = max(2, lead["probe"])
     at_k = curve[(curve.method == "probe") & (curve.k == k_early)]
     if at_k.empty:
-        return {"lead": lead, "curve": "elicitation.csv"}
+        return {"lead": lead, "curve": "elicitation.csv"}, curve
     stage = int(at_k.loc[at_k["accuracy"].idxmax(), "stage"])
     drops = carrying_heads(model, regions, k_early, stage, seed=config.seed)
     early = [h for h in top_heads(drops, max(1, len(late_heads))) if float(drops[h]) > 0]
@@ -247,7 +320,7 @@ def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candid
         "early_late_overlap": len(set(early) & set(late_heads)) / len(union) if union else None,
         "early_mean_layer": sum(l for l, _ in early) / len(early) if early else None,
         "late_mean_layer": sum(l for l, _ in late_heads) / len(late_heads) if late_heads else None,
-    }
+    }, curve
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -264,7 +337,8 @@ def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | 
     # reference runs for the means: a different seed of the same split, so no example is reused
     reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
     config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
-                                sweep_top=args.sweep_top, progress=not args.no_progress)
+                                sweep_top=args.sweep_top, progress=not args.no_progress,
+                                stale="recompute" if args.recompute else "error")
     provenance = {"command": "mistill-lens " + shlex.join(sys.argv[1:]), "model": str(args.model),
                   "split": args.split, "task_config": task_config}
     summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config, provenance=provenance)

@@ -181,7 +181,7 @@ def ablation_curve(
             for kind in dict.fromkeys(batch.kinds):
                 picked = kind_mask(batch.kinds, kind)
                 rows.append({"order": order_name, "n_ablated": n, "kind": kind,
-                             "fraction_kept": float(fraction[picked].mean())})
+                             "fraction_kept": float(fraction[picked].mean()), "n_events": int(picked.sum())})
     return pd.DataFrame(rows)
 
 
@@ -274,7 +274,7 @@ def head_families(
     for kind in dict.fromkeys(kinds):
         picked = kind_mask(kinds, kind)
         for layer, head in heads:
-            row = {"kind": kind, "layer": layer, "head": head}
+            row = {"kind": kind, "layer": layer, "head": head, "n_events": int(picked.sum())}
             best, best_ratio = "none", min_ratio
             for family, mass in mass_by_family.items():
                 has_targets = picked & (baselines[family] > 0)

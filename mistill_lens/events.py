@@ -234,8 +234,19 @@ class EventBatch:
     def __len__(self) -> int:
         return len(self.events)
 
-    def select(self, rows: Sequence[int] | Tensor) -> "EventBatch":
-        rows = torch.as_tensor(rows, dtype=torch.long)
+    def select(self, rows: Sequence[int] | Sequence[bool] | Tensor) -> "EventBatch":
+        """The given rows: integer indices, or a boolean mask with one entry per event."""
+        rows = torch.as_tensor(rows)
+        if rows.dtype == torch.bool:
+            if rows.shape != (len(self),):
+                raise ValueError(f"boolean row mask has shape {tuple(rows.shape)}; this batch has {len(self)} events")
+            rows = rows.nonzero().flatten()
+        elif len(rows) and (rows.dtype.is_floating_point or rows.ndim != 1):
+            raise TypeError(f"rows must be integer indices or a boolean mask, got a {rows.dtype} tensor of shape "
+                            f"{tuple(rows.shape)}")
+        rows = rows.long()
+        if len(rows) and (int(rows.min()) < -len(self) or int(rows.max()) >= len(self)):
+            raise IndexError(f"rows {rows.tolist()} outside a batch of {len(self)} events")
         keep = [self.events[int(i)] for i in rows]
         width = int(self.predict_positions[rows].max()) + 1 if len(rows) else 1
         return EventBatch(self.tokens[rows, :width], self.predict_positions[rows], self.chosen[rows],
@@ -259,6 +270,9 @@ def make_event_batch(
     if not chosen_events:
         raise ValueError("no events to batch")
     for event in chosen_events:
+        if not event.contrast_tokens:
+            raise ValueError(f"event {event.kind!r} at token {event.position} of example {event.example_id} has no "
+                             "contrast token: a decision margin needs one")
         if event.example_id not in by_id:
             raise KeyError(f"event refers to unknown example {event.example_id}")
         length = len(by_id[event.example_id].tokens)
@@ -297,6 +311,9 @@ def margins_at(
     at_event = logits[rows, predict_positions]  # [event, vocab]
     chosen_logit = at_event[rows, chosen]
     contrast_logits = at_event.gather(1, contrast.clamp(min=0))
+    if (contrast < 0).all(dim=1).any():
+        bad = (contrast < 0).all(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"event rows {bad} have no contrast token: their margin would be +inf")
     contrast_logits = contrast_logits.masked_fill(contrast < 0, float("-inf"))
     margins = chosen_logit - contrast_logits.max(dim=1).values
     if torch.isnan(margins).any():

@@ -10,6 +10,7 @@ Per-head activations are read and written at `blocks.{l}.attn.hook_z` [batch, po
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -50,13 +51,25 @@ def all_heads(model) -> list[Head]:
 def validate_heads(model, heads: Iterable[Head], allow_empty: bool = False) -> list[Head]:
     """Sorted unique heads, with clear errors for out-of-range indices and empty sets."""
     n_layers, n_heads = n_layers_heads(model)
-    unique = sorted({(int(layer), int(head)) for layer, head in heads})
+    unique = sorted({(_index(layer, "layer"), _index(head, "head")) for layer, head in heads})
     if not unique and not allow_empty:
         raise ValueError("empty head set: nothing to intervene on")
     bad = [(l, h) for l, h in unique if not (0 <= l < n_layers and 0 <= h < n_heads)]
     if bad:
         raise IndexError(f"heads {bad} out of range for a model with {n_layers} layers x {n_heads} heads")
     return unique
+
+
+def _index(value, what: str) -> int:
+    """An integer index (int, numpy or 0-d torch integer); a float such as 0.7 is an error, never
+    truncated to 0."""
+    if isinstance(value, Tensor):
+        if value.ndim != 0 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise TypeError(f"{what} index must be an integer, got {value!r}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} index must be an integer, got {value!r}")
+    return int(value)
 
 
 def head_mask(model, heads: Iterable[Head]) -> Tensor:
@@ -190,8 +203,9 @@ def mean_ablation_hooks(
 def ablate_all_but_hooks(
     model, keep: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
 ) -> list[HookPair]:
-    """Mean-ablate every head except `keep` (sufficiency). Keeping every head gives no hooks."""
-    kept = set(validate_heads(model, keep))
+    """Mean-ablate every head except `keep` (sufficiency). Keeping every head gives no hooks;
+    keeping none ablates every head (the model's margin with no head's own contribution)."""
+    kept = set(validate_heads(model, keep, allow_empty=True))
     others = [h for h in all_heads(model) if h not in kept]
     return _mean_ablation_pairs(model, others, means, position_class) if others else []
 
@@ -216,6 +230,9 @@ def knock_in_hooks(
         raise ValueError(f"source values {tuple(source_values.shape)} are not [layer={n_layers}, batch, head={n_heads}, d_head]")
     if source_values.shape[1] != target_positions.shape[0]:
         raise ValueError("one source activation per target row is needed")
+    if len(target_positions) and int(target_positions.min()) < 0:
+        raise IndexError(f"knock-in target positions {target_positions.tolist()} include negative positions; "
+                         "give positions counted from the start of the context")
     mask = head_mask(model, heads)
     rows = torch.arange(target_positions.shape[0])
     pairs = []
@@ -235,8 +252,9 @@ def knock_in_hooks(
 
 def gather_at_positions(z: Float[Tensor, "layer batch pos head d_head"], rows: Int[Tensor, "n"], positions: Int[Tensor, "n"]) -> Float[Tensor, "layer n head d_head"]:
     """hook_z of source row `rows[i]` at `positions[i]`, ready for `knock_in_hooks`."""
-    if int(positions.max()) >= z.shape[2]:
-        raise IndexError(f"source positions {positions.tolist()} outside a context of length {z.shape[2]}")
+    if len(positions) and (int(positions.max()) >= z.shape[2] or int(positions.min()) < 0):
+        raise IndexError(f"source positions {positions.tolist()} outside a context of length {z.shape[2]} "
+                         f"(valid: 0..{z.shape[2] - 1}; negative positions are not counted from the end)")
     return z[:, rows, positions]
 
 
@@ -273,7 +291,10 @@ def attribution_scores(
 ) -> Float[Tensor, "event layer head"]:
     """Attribution patching: gradient x (activation - class mean) of each event's margin, per head,
     at the event's predicting position. Positive = the head pushes toward the chosen token (the
-    linear estimate of the margin lost by mean-ablating it). One forward and one backward."""
+    linear estimate of the margin lost by mean-ablating it). One forward and one backward.
+
+    Works in any model dtype: the product is computed in float32 (gradients and activations of a
+    bf16 / fp16 model are upcast to the float32 reference means), and the scores are float32."""
     store = AttributionStore()
     with torch.enable_grad():
         logits = model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *attribution_hooks(model, store)])
@@ -284,9 +305,9 @@ def attribution_scores(
     class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
     scores = []
     for layer, grad in zip(layers, grads):
-        act = store.activations[layer][rows, batch.predict_positions]  # [event, head, d_head]
-        mean = means.means[class_index, layer]  # [event, head, d_head]
-        g = grad[rows, batch.predict_positions]
+        act = store.activations[layer][rows, batch.predict_positions].float()  # [event, head, d_head]
+        mean = means.means[class_index, layer].float()  # [event, head, d_head]
+        g = grad[rows, batch.predict_positions].float()
         scores.append(einops.einsum(g, act - mean, "e h d, e h d -> e h"))
     return einops.rearrange(torch.stack(scores), "l e h -> e l h")
 

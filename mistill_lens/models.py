@@ -9,9 +9,7 @@ TransformerLens 4 :class:`TransformerBridge`.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+import copy
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 from mistill_lens.tokenization import load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -73,14 +72,15 @@ def save_checkpoint(
     metadata: dict,
     training_state: dict[str, dict] | None = None,
 ) -> Path:
-    """Write the folder next to ``out_dir`` and rename it into place, so a crash leaves the old one.
+    """Write a checkpoint into ``out_dir``, replacing only the checkpoint's own files, atomically
+    as a set (:mod:`mistill_lens.runs`): a crash leaves the previous checkpoint or the new one.
 
     ``training_state`` maps file names to objects saved with ``torch.save`` (optimizer state
-    for resuming).
+    for resuming). A ``manifest.json`` of file digests is written with them.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out_dir)
     # One shard: transformers' per-shard progress bar would only clutter logs of long runs.
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -93,15 +93,17 @@ def save_checkpoint(
     (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     for name, state in (training_state or {}).items():
         torch.save(state, staging / name)
-    if out_dir.exists():
-        retired = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(retired, ignore_errors=True)
-        os.replace(out_dir, retired)
-        os.replace(staging, out_dir)
-        shutil.rmtree(retired)
-    else:
-        os.replace(staging, out_dir)
+    commit_staged(out_dir)
     return out_dir
+
+
+def weights_digest(spec: str | Path) -> str:
+    """Short SHA-256 of a checkpoint's weights file: the cache key of everything derived from it."""
+    path = resolve(spec)
+    if not (path / WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"checkpoint {path} has no {WEIGHTS_FILE}" if path.is_dir()
+                              else f"checkpoint folder {path} does not exist")
+    return file_digest(path / WEIGHTS_FILE)[:16]
 
 
 def read_metadata(spec: str | Path) -> dict:
@@ -120,6 +122,8 @@ def load_hf_model(
     path = resolve(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if path != DEFAULT_TEACHER:
+        finish_interrupted_commit(path)
     for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} has no {name}")
@@ -139,11 +143,15 @@ def load_hf_model(
 
 
 def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype = torch.float32):
-    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place)."""
+    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place).
+
+    The bridge gets its own copy of the tokenizer: TransformerLens 4.3 edits the tokenizer it is
+    given, and a second bridge on the same object fails with ``KeyError: 'name_or_path'``.
+    """
     from transformer_lens import TransformerBridge
 
     bridge = TransformerBridge.boot_transformers(
-        model.config.model_type, hf_model=model, tokenizer=tokenizer, device="cpu", dtype=dtype
+        model.config.model_type, hf_model=model, tokenizer=copy.deepcopy(tokenizer), device="cpu", dtype=dtype
     )
     bridge.eval()
     return bridge

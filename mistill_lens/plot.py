@@ -19,7 +19,9 @@ from mistill_lens.calibration import Calibration
 def head_map_figure(calibration: Calibration) -> go.Figure:
     """Layer x head maps per event kind: raw mean effect next to the calibrated z-score."""
     kinds = calibration.kinds
-    titles = [f"{kind}: {what}" for kind in kinds for what in ("raw effect (logits)", "calibrated (z vs null)")]
+    counts = dict(zip(kinds, calibration.n_events))
+    titles = [f"{kind} (n={counts.get(kind, '?')}): {what}" for kind in kinds
+              for what in ("raw effect (logits)", "calibrated (z vs null)")]
     fig = make_subplots(rows=len(kinds), cols=2, subplot_titles=titles, horizontal_spacing=0.12)
     for row, kind in enumerate(kinds, start=1):
         k = calibration.kind_index(kind)
@@ -31,7 +33,7 @@ def head_map_figure(calibration: Calibration) -> go.Figure:
             ), row=row, col=col)
             fig.update_xaxes(title_text="head", row=row, col=col)
             fig.update_yaxes(title_text="layer", row=row, col=col)
-    fig.update_layout(title="Head scores per event kind", height=320 * len(kinds), width=900)
+    fig.update_layout(title=f"Head scores per event kind ({calibration.n_null} null events)", height=320 * len(kinds), width=900)
     return fig
 
 
@@ -39,8 +41,9 @@ def ablation_curve_figure(curve: pd.DataFrame) -> go.Figure:
     """Fraction of the clean margin kept vs number of heads ablated, by score vs random order."""
     fig = go.Figure()
     for (kind, order), rows in curve.groupby(["kind", "order"], sort=False):
+        n = f" (n={int(rows['n_events'].iloc[0])})" if "n_events" in rows else ""
         fig.add_trace(go.Scatter(x=rows["n_ablated"], y=rows["fraction_kept"], mode="lines+markers",
-                                 name=f"{kind}, {order}", line=dict(dash="solid" if order == "by score" else "dot")))
+                                 name=f"{kind}{n}, {order}", line=dict(dash="solid" if order == "by score" else "dot")))
     fig.update_layout(title="Margin vs heads ablated", xaxis_title="heads mean-ablated",
                       yaxis_title="fraction of clean margin kept")
     return fig
@@ -49,7 +52,9 @@ def ablation_curve_figure(curve: pd.DataFrame) -> go.Figure:
 def attention_families_figure(families: pd.DataFrame) -> go.Figure:
     """Attention mass of each circuit head to each target family, as a multiple of uniform attention."""
     fig = go.Figure()
-    labels = [f"L{l}H{h} ({k})" for k, l, h in zip(families["kind"], families["layer"], families["head"])]
+    counts = families["n_events"] if "n_events" in families else [None] * len(families)
+    labels = [f"L{l}H{h} ({k}{'' if n is None else f', n={n}'})"
+              for k, l, h, n in zip(families["kind"], families["layer"], families["head"], counts)]
     for column in [c for c in families.columns if c.startswith("ratio_")]:
         fig.add_trace(go.Bar(x=labels, y=families[column], name=column.removeprefix("ratio_")))
     fig.update_layout(title="Attention to the region's candidates and to the near-miss mention",
@@ -66,7 +71,8 @@ def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
                                  text=best["stage_name"], hovertemplate="k=%{x}: %{y:.2f} at %{text}<extra></extra>"))
     if len(curve):
         fig.add_hline(y=float(curve["chance"].iloc[0]), line_dash="dot", annotation_text="majority class")
-    fig.update_layout(title="Early elicitation of the region", xaxis_title="tokens before the region token (k)",
+    held_out = f" ({int(curve['n_held_out'].iloc[0])} held-out events)" if len(curve) and "n_held_out" in curve else ""
+    fig.update_layout(title=f"Early elicitation of the region{held_out}", xaxis_title="tokens before the region token (k)",
                       yaxis_title="held-out accuracy", yaxis_range=[0, 1.05])
     return fig
 

@@ -6,6 +6,7 @@ stopped (heads already in the file are not re-run, after checking the file belon
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -16,6 +17,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mistill_lens.events import EventBatch
+from mistill_lens.fingerprint import (
+    StaleResultError, StaleResultWarning, check_fingerprint, model_digest, read_fingerprint, tensor_digest, value_digest, write_fingerprint,
+)
 from mistill_lens.hooks import (
     Head, HeadMeans, HookPair, all_heads, event_position_classes, mean_ablation_hooks, run_margins, validate_heads,
 )
@@ -61,6 +65,21 @@ def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -
     })
 
 
+SWEEP_FORMAT = "sweep-v2"  # bump when the table's columns or meaning change
+
+
+def sweep_fingerprint(model, batch: EventBatch, means: HeadMeans) -> dict[str, str]:
+    """What a sweep table's numbers depend on: the table format, the model's weights, the events
+    (contexts, positions, chosen and contrast tokens) and the reference means."""
+    return {
+        "format": SWEEP_FORMAT,
+        "model weights": model_digest(model),
+        "events": tensor_digest(batch.tokens, batch.predict_positions, batch.chosen, batch.contrast)
+        + value_digest(batch.kinds),
+        "reference means": tensor_digest(means.means, means.counts) + value_digest(means.class_names),
+    }
+
+
 def ablation_sweep(
     model,
     batch: EventBatch,
@@ -69,24 +88,39 @@ def ablation_sweep(
     heads: Iterable[Head] | None = None,
     progress: bool = True,
     batch_size: int = 256,
+    stale: str = "error",
 ) -> pd.DataFrame:
     """Exact single-head mean-ablation effect of every head on every event (columns SWEEP_COLUMNS).
 
     `effect` = clean margin - ablated margin (logits); `fraction_lost` = effect / clean margin
     (NaN where the clean margin is not positive). With `out_path` (CSV) the table is appended after
-    each head and a rerun skips heads already there.
+    each head and a rerun skips heads already there. The table's fingerprint (model weights,
+    events, reference means, format; `sweep_fingerprint`) is stored beside it: a table computed
+    from other inputs is never resumed. `stale="error"` then raises `StaleResultError` naming the
+    inputs that changed; `stale="recompute"` discards the table (with a warning) and starts again.
     """
+    if stale not in ("error", "recompute"):
+        raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
     heads = validate_heads(model, heads if heads is not None else all_heads(model))
     clean = clean_margins(model, batch, batch_size=batch_size)
     done = pd.DataFrame(columns=SWEEP_COLUMNS)
-    if out_path is not None and Path(out_path).exists():
-        done = pd.read_csv(out_path)
-        _check_resumable(done, batch, clean)
+    if out_path is not None:
+        out_path = Path(out_path)
+        fingerprint = sweep_fingerprint(model, batch, means)
+        if out_path.exists():
+            try:
+                check_fingerprint(read_fingerprint(out_path), fingerprint, f"sweep table {out_path}")
+                done = _read_table(out_path)
+            except StaleResultError as err:
+                if stale == "error":
+                    raise StaleResultError(f"{err}; use another output folder, or recompute it") from err
+                warnings.warn(f"{err}: recomputed", StaleResultWarning, stacklevel=2)
+        write_fingerprint(out_path, fingerprint)
     finished = {(int(l), int(h)) for (l, h), rows in done.groupby(["layer", "head"]) if len(rows) == len(batch)}
     done = done.loc[pd.Series([(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])],
                               index=done.index, dtype=bool)]
     if out_path is not None:
-        done.to_csv(out_path, index=False)  # drop any partial head before appending
+        done.to_csv(out_path, index=False)  # drop any partial head (or a stale table) before appending
     frames = [done]
     for head in tqdm([h for h in heads if h not in finished], desc="ablation sweep", disable=not progress):
         rows = _sweep_rows(batch, head, clean, ablated_margins(model, batch, means, [head], batch_size))
@@ -97,16 +131,11 @@ def ablation_sweep(
     return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
 
 
-def _check_resumable(done: pd.DataFrame, batch: EventBatch, clean: Tensor) -> None:
+def _read_table(path: Path) -> pd.DataFrame:
+    done = pd.read_csv(path)
     if list(done.columns) != SWEEP_COLUMNS:
-        raise ValueError(f"existing sweep file has columns {list(done.columns)}, expected {SWEEP_COLUMNS}")
-    if len(done) == 0:
-        return
-    if int(done["event_row"].max()) >= len(batch):
-        raise ValueError("existing sweep file has more events than this run: it belongs to another run")
-    stored = torch.tensor(done["clean_margin"].to_numpy(), dtype=clean.dtype)
-    if not torch.allclose(stored, clean[torch.tensor(done["event_row"].to_numpy())], atol=1e-4):
-        raise ValueError("existing sweep file's clean margins differ from this run's: it belongs to another run")
+        raise StaleResultError(f"sweep table {path} has columns {list(done.columns)}, expected {SWEEP_COLUMNS}")
+    return done
 
 
 def effects_tensor(table: pd.DataFrame, n_events: int, n_layers: int, n_heads: int, column: str = "effect") -> Float[Tensor, "event layer head"]:

@@ -300,6 +300,25 @@ def _draw_gold(universe: Universe, pool: list[str], n: int, rng: random.Random) 
     return chosen
 
 
+def min_k(max_mentions: int) -> int:
+    """The smallest K that works for every example with up to `max_mentions` mentions: each gold
+    code plants at most three candidates (itself and two near-misses), plus one candidate from
+    another region (the region decision's contrast)."""
+    return 3 * max_mentions + 1
+
+
+def check_task_config(*, universe_size: int, k: int, max_mentions: int) -> None:
+    """Raise a ValueError naming the bad option and the values that work."""
+    if not 1 <= max_mentions <= 4:
+        raise ValueError(f"max_mentions must be between 1 and 4, got {max_mentions}")
+    if k < min_k(max_mentions):
+        raise ValueError(f"K={k} candidates is smaller than the {min_k(max_mentions)} that up to {max_mentions} "
+                         f"mention(s) can need (each gold code plants up to 3 candidates, plus one from another "
+                         f"region); use K >= {min_k(max_mentions)}")
+    if universe_size < 1:
+        raise ValueError(f"universe_size must be at least 1, got {universe_size}")
+
+
 def iter_examples(
     seed: int,
     split: str,
@@ -310,8 +329,7 @@ def iter_examples(
     start: int = 0,
 ) -> Iterator[Example]:
     """An endless, deterministic stream: example ``i`` depends only on (seed, split, i, config)."""
-    if not 1 <= max_mentions <= 4:
-        raise ValueError(f"max_mentions must be between 1 and 4, got {max_mentions}")
+    check_task_config(universe_size=universe_size, k=k, max_mentions=max_mentions)
     universe = load_universe(universe_size)
     pool = gold_pool(universe, split)
     index = start
@@ -344,8 +362,25 @@ def write_jsonl(examples: Iterable[Example], path: str | Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[Example]:
-    with Path(path).open(encoding="utf-8") as f:
-        return [Example.from_json(json.loads(line)) for line in f if line.strip()]
+    """Examples from a JSONL file; a bad line is reported with the file, its line number and what
+    is wrong with it (invalid JSON, or the missing field)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"examples file {path} does not exist")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                examples.append(Example.from_json(json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from err
+            except KeyError as err:
+                raise ValueError(f"{path}, line {number}: missing field {err.args[0]!r}") from err
+            except (TypeError, AttributeError) as err:
+                raise ValueError(f"{path}, line {number}: malformed example ({err})") from err
+    return examples
 
 
 @dataclass(frozen=True)

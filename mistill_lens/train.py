@@ -21,12 +21,44 @@ from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
 
-from mistill_lens import task
+from mistill_lens import options, task
+from mistill_lens.options import check_options
 from mistill_lens.distill.students import build_student, family_tokenizer, student_config
-from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config
+from mistill_lens.fingerprint import StaleResultError, check_fingerprint, value_digest
+from mistill_lens.models import (
+    METADATA_FILE, CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, weights_digest,
+)
+from mistill_lens.runs import STAGING_DIR, claim_run_dir, finish_interrupted_commit, legacy_run, verify_manifest
 from mistill_lens.tokenization import teacher_tokenizer
 
 TRAINING_STATE_FILE = "training_state.pt"
+TRAIN_FORMAT = "train-v1"  # bump when the training state's layout or meaning changes
+# Every file a checkpoint folder holds: a folder of only these, with a training state, is a run
+# written before run markers existed.
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "mistill.json", "manifest.json",
+                    TRAINING_STATE_FILE, STAGING_DIR)
+
+
+def claim_checkpoint_dir(out_dir: str | Path, kind: str) -> Path:
+    """`out_dir` as the checkpoint folder of a `kind` run (new, empty, or that run's own)."""
+    return claim_run_dir(out_dir, kind, legacy_run([TRAINING_STATE_FILE, METADATA_FILE], CHECKPOINT_FILES))
+
+
+def load_training_state(out_dir: Path, fingerprint: dict[str, str]) -> dict | None:
+    """The saved training state of `out_dir` (None when it holds none yet), after checking that
+    its files are intact and that it was trained from the same inputs (`fingerprint`)."""
+    finish_interrupted_commit(out_dir)
+    state_path = out_dir / TRAINING_STATE_FILE
+    if not state_path.is_file():
+        return None
+    verify_manifest(out_dir)
+    state = torch.load(state_path, weights_only=False, map_location="cpu")
+    try:
+        check_fingerprint(state.get("fingerprint"), fingerprint, f"the training state in {out_dir}")
+    except StaleResultError as err:
+        raise CheckpointError(f"{err}; use another --out") from err
+    return state
 
 
 @dataclass(frozen=True)
@@ -52,6 +84,14 @@ class TrainConfig:
     # None: the GPT-2 teacher. A student family ("llama", "gpt2"): a base student of that
     # architecture and tokenizer, trained on the references, for `distill --student-init`.
     student: str | None = None
+
+    def __post_init__(self):
+        check_options(self, seed=options.seed, steps=options.positive, batch_size=options.positive,
+                      lr=options.positive_float, warmup_steps=options.non_negative,
+                      weight_decay=options.non_negative_float, universe_size=options.positive, k=options.positive,
+                      max_mentions=options.positive, n_layer=options.positive, n_head=options.positive,
+                      n_embd=options.positive, checkpoint_every=options.positive,
+                      event_weight=options.positive_float)
 
     @property
     def role(self) -> str:
@@ -150,11 +190,17 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _resume(out_dir: Path, config: TrainConfig):
-    state_path = out_dir / TRAINING_STATE_FILE
-    if not state_path.is_file():
+def train_fingerprint(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
+    """Inputs of a training run beyond its configuration: the state format, the tokenizer, and the
+    weights it started from."""
+    return {"format": TRAIN_FORMAT, "tokenizer": value_digest(tokenizer.get_vocab()),
+            "init weights": weights_digest(config.init_from) if config.init_from is not None else "fresh"}
+
+
+def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFast):
+    state = load_training_state(out_dir, train_fingerprint(config, tokenizer))
+    if state is None:
         return None
-    state = torch.load(state_path, weights_only=False, map_location="cpu")
     saved = TrainConfig(**state["config"])
     if saved != config:
         differing = [f.name for f in fields(TrainConfig) if getattr(saved, f.name) != getattr(config, f.name)]
@@ -186,10 +232,10 @@ def train(
     seed gives the same data; numerics differ between devices).
     """
     target = resolve_device(device)
-    out_dir = Path(out_dir)
+    out_dir = claim_checkpoint_dir(out_dir, "train")
     tokenizer = role_tokenizer(config)
     _seed_everything(config.seed)
-    resumed = _resume(out_dir, config)
+    resumed = _resume(out_dir, config, tokenizer)
     if resumed is None:
         model, step, elapsed, losses = build_model(config, tokenizer), 0, 0.0, []
     else:
@@ -224,7 +270,7 @@ def train(
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
         state = {
-            "config": asdict(config), "step": step, "elapsed_s": elapsed, "losses": losses,
+            "config": asdict(config), "fingerprint": train_fingerprint(config, tokenizer), "step": step, "elapsed_s": elapsed, "losses": losses,
             "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
         }
         save_checkpoint(model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})

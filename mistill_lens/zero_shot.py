@@ -258,11 +258,10 @@ def write_generations(examples: Sequence[ZeroShotExample], path: Path) -> None:
 def run_characterize_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     """``characterize --model smollm2``: zero-shot replies of SmolLM2 to task examples (and to
     separate reference examples for the means), then the same pipeline as ``--model default``."""
-    from mistill_lens.characterize import CharacterizeConfig, characterize
+    from mistill_lens.characterize import CharacterizeConfig, characterize, claim_characterize_dir
 
+    out_dir = claim_characterize_dir(args.out)
     bridge, tokenizer, draft = load_smollm2_with_draft()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     examples = task.generate_examples(args.n, args.seed, args.split, **task_config)
     n_reference = args.n_reference or max(args.n, SMOLLM2_MIN_REFERENCE)
     reference = task.generate_examples(n_reference, args.seed + 1, args.split, **task_config)
@@ -283,6 +282,7 @@ def run_characterize_smollm2(args: argparse.Namespace, task_config: Mapping[str,
                          "examples: nothing to characterise (see generations.jsonl)")
     config = CharacterizeConfig(
         seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event, progress=not args.no_progress,
+        stale="recompute" if args.recompute else "error",
         sweep_top=args.sweep_top if args.sweep_top is not None else SMOLLM2_DEFAULT_SWEEP_TOP,
         curve_points=SMOLLM2_CURVE_POINTS,
     )

@@ -21,10 +21,11 @@ from mistill_lens.distill.attention import (
 from mistill_lens.distill.data import as_generated, generation_events
 from mistill_lens.distill.evaluation import EVALUATION_FILE, causal_recovery, evaluate_run, median_recovery
 from mistill_lens.distill.report import load_evaluations, paired_comparison, sign_flip_p_value, summarise, write_report
-from mistill_lens.distill.students import build_student, family_tokenizer, student_config
+from mistill_lens.distill.students import build_student, exportable, family_tokenizer, student_config
 import mistill_lens.distill.training as training_module
-from mistill_lens.distill.training import DistillConfig, distill, distillation_items, student_losses
+from mistill_lens.distill.training import DistillConfig, distill, distillation_items, initial_student, student_losses
 from mistill_lens.events import events_from_spans
+from mistill_lens.runs import file_digest
 from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, to_bridge
 from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
 
@@ -246,7 +247,8 @@ def mean_attention_kl(run_dir, teacher, examples):
 
 
 def test_attention_loss_moves_pooled_attention_toward_the_target(teacher, examples, tmp_path):
-    run({"steps": 0}, teacher, examples, tmp_path / "start")
+    start = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill"})
+    save_checkpoint(exportable(initial_student(start)), family_tokenizer("llama"), tmp_path / "start", {})
     initial = mean_attention_kl(tmp_path / "start", teacher, examples)
     run({"objective": "cot", "steps": 12}, teacher, examples, tmp_path / "cot")
     run({"objective": "mistill", "attention_weight": 5.0, "steps": 12}, teacher, examples, tmp_path / "mistill")
@@ -316,6 +318,8 @@ def test_a_run_trained_with_other_heads_is_not_resumed_with_new_ones(teacher, ex
     # as if the run had been made under another default: resuming must not silently switch heads
     metadata_path = tmp_path / "run" / "mistill.json"
     metadata_path.write_text(json.dumps({**json.loads(metadata_path.read_text()), "student_heads": [[1, 0], [1, 1]]}))
+    manifest_path = tmp_path / "run" / "manifest.json"  # written so by that run: its manifest agrees
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "mistill.json": file_digest(metadata_path)}))
     with pytest.raises(CheckpointError, match="pooling student heads"):
         distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), tmp_path / "run", progress=False)
 
@@ -324,7 +328,7 @@ def test_student_heads_option_parses_layer_dot_head():
     from mistill_lens.distill.pipeline import parse_head_set
 
     assert parse_head_set("3.3, 2.0") == ((3, 3), (2, 0))
-    with pytest.raises(SystemExit, match="LAYER.HEAD"):
+    with pytest.raises(ValueError, match="LAYER.HEAD"):
         parse_head_set("3-3")
 
 
@@ -439,14 +443,15 @@ def base_student(family, out):
 
 def test_student_init_starts_from_the_base_weights(teacher, examples, tmp_path):
     base = base_student("llama", tmp_path / "base")
-    metadata = run({"steps": 0, "student_init": str(base)}, teacher, examples, tmp_path / "zero")
-    assert metadata["student_init"]["step"] == 7
-    started, trained = weights(base), weights(tmp_path / "zero")
-    assert started.keys() == trained.keys() and all(torch.equal(started[k], trained[k]) for k in started)
-    fresh = run({"steps": 0}, teacher, examples, tmp_path / "fresh")
-    assert fresh.get("student_init") is None
-    assert not all(torch.equal(started[k], weights(tmp_path / "fresh")[k]) for k in started)
+    config = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill", "student_init": str(base)})
+    started = weights(base)
+    initial = exportable(initial_student(config)).state_dict()
+    assert all(torch.equal(started[k], initial[k]) for k in started)
+    fresh = exportable(initial_student(DistillConfig(**{**TINY, "family": "llama"}))).state_dict()
+    assert not all(torch.equal(started[k], fresh[k]) for k in started)
     moved = run({"steps": 2, "student_init": str(base)}, teacher, examples, tmp_path / "two")
+    assert moved["student_init"]["step"] == 7
+    assert run({"steps": 1}, teacher, examples, tmp_path / "fresh").get("student_init") is None
     assert moved["step"] == 2 and not all(torch.equal(started[k], weights(tmp_path / "two")[k]) for k in started)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,11 @@ from tqdm.auto import tqdm
 
 from mistill_lens import task
 from mistill_lens.evaluate import greedy_generate
-from mistill_lens.models import WEIGHTS_FILE, load_hf_model, resolve
+from mistill_lens.fingerprint import (
+    StaleResultError, StaleResultWarning, check_fingerprint, read_fingerprint, write_fingerprint,
+)
+from mistill_lens.models import load_hf_model, weights_digest
+from mistill_lens.runs import file_digest
 
 
 def _trace_lines(output: str) -> list[str]:
@@ -54,15 +59,6 @@ def as_generated(example: task.Example, generated: str) -> task.Example:
     return replace(example, output=generated, events=generation_events(example, generated))
 
 
-def weights_digest(model_dir: str | Path) -> str:
-    """Short SHA-256 of a checkpoint's weights: the cache key of everything derived from it."""
-    digest = hashlib.sha256()
-    with (resolve(model_dir) / WEIGHTS_FILE).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 def teacher_generations(
     teacher_dir: str | Path,
     n: int,
@@ -77,7 +73,11 @@ def teacher_generations(
     key = hashlib.sha256(config_key.encode()).hexdigest()[:8]
     path = Path(cache_dir) / f"generations-{weights_digest(teacher_dir)}-{split}-{key}.jsonl"
     if path.is_file():
-        return task.read_jsonl(path)
+        try:
+            check_fingerprint(read_fingerprint(path), _cache_fingerprint(path, n), f"generations cache {path}")
+            return task.read_jsonl(path)
+        except (StaleResultError, ValueError) as err:  # truncated, edited or unreadable: ours to redo
+            warnings.warn(f"{err}: regenerated", StaleResultWarning, stacklevel=2)
     model, tokenizer = load_hf_model(teacher_dir)
     examples = task.generate_examples(n, seed, split, **task_config)
     generated = [
@@ -85,4 +85,14 @@ def teacher_generations(
         for example in tqdm(examples, desc="teacher generations", disable=not progress, file=sys.stderr)
     ]
     task.write_jsonl(generated, path)
+    write_fingerprint(path, _cache_fingerprint(path, n))
     return generated
+
+
+def _cache_fingerprint(path: Path, n: int) -> dict[str, str]:
+    """The cache file as it is: examples asked for, lines held, and its bytes' digest (the file
+    name already names the teacher's weights and the example options). Stored when written,
+    compared when read, so a truncated or edited cache is detected."""
+    with path.open("rb") as f:
+        lines = sum(1 for line in f if line.strip())
+    return {"examples": str(n), "lines": str(lines), "sha256": file_digest(path)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -73,13 +74,14 @@ def evaluate_run(
     bridge, tokenizer = load_model(run_dir)
     examples = task.generate_examples(n_characterize, seed + 1, "heldout", **task_config)
     reference = task.generate_examples(n_characterize, seed + 2, "heldout", **task_config)
-    config = characterize_config or CharacterizeConfig(seed=seed, progress=progress)
+    # The characterisation folder is this run's own: after more training its sweeps are stale and redone.
+    config = replace(characterize_config or CharacterizeConfig(seed=seed, progress=progress), stale="recompute")
     result = {"run": str(run_dir), **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
               "n_eval": n_eval, "n_characterize": n_characterize, "z_min": config.z_min}
     try:
         summary = characterize(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
         result.update(causal_recovery(summary), causal_recovery_median=median_recovery(run_dir / "characterization"),
-                      circuit=summary["circuit"])
+                      circuit=summary["circuit"], warnings=summary["warnings"])
     except ValueError as err:  # e.g. the student decides no gold event its way
         result.update(causal_recovery({}), causal_recovery_median=None, characterization_error=str(err))
     metadata = read_metadata(run_dir)

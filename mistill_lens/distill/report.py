@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
 from mistill_lens.plot import write_figure
+from mistill_lens.runs import claim_run_dir, legacy_run
 
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
@@ -135,9 +136,9 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
     """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md`` and ``figure.html``; returns the
     JSON summary."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     frame = load_evaluations(run_dirs)
+    out_dir = claim_run_dir(out_dir, "distill-report", legacy_run(
+        ["runs.csv", "table.md"], ["table.csv", "paired.csv", "figure.html", "figure.png", "plotly.min.js"]))
     frame.to_csv(out_dir / "runs.csv", index=False)
     table = summarise(frame)
     table.to_csv(out_dir / "table.csv", index=False)

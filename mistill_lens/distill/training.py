@@ -19,7 +19,8 @@ from typing import Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mistill_lens import task
+from mistill_lens import options, task
+from mistill_lens.options import check_options
 from mistill_lens.distill import OBJECTIVES
 from mistill_lens.distill.attention import (
     DistillItem, attention_kl, collate_items, heads_in_layers, pattern_recorder, pooled_attention, student_item,
@@ -29,8 +30,11 @@ from mistill_lens.distill.students import (
     student_architecture, student_config,
 )
 from mistill_lens.hooks import Head, n_layers_heads, validate_heads
-from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge
-from mistill_lens.train import TRAINING_STATE_FILE, encode, learning_rate, output_loss
+from mistill_lens.fingerprint import value_digest
+from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge, weights_digest
+from mistill_lens.train import (
+    TRAINING_STATE_FILE, claim_checkpoint_dir, encode, learning_rate, load_training_state, output_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class DistillConfig:
     student_init: str | None = None
 
     def __post_init__(self):
+        check_options(self, seed=options.seed, steps=options.positive, batch_size=options.positive,
+                      lr=options.positive_float, warmup_steps=options.non_negative,
+                      weight_decay=options.non_negative_float, attention_weight=options.non_negative_float,
+                      n_layer=options.positive, n_head=options.positive, n_embd=options.positive,
+                      n_kv_head=options.positive, n_ctx=options.positive, checkpoint_every=options.positive,
+                      n_train=options.non_negative, data_seed=options.seed)
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
         precision_dtype(self.precision)
@@ -133,11 +143,26 @@ def student_losses(student_hf, student_bridge, batch, heads: Sequence[Head], pre
     return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)
 
 
-def _resume(out_dir: Path, config: DistillConfig):
-    state_path = out_dir / TRAINING_STATE_FILE
-    if not state_path.is_file():
+DISTILL_FORMAT = "distill-v1"  # bump when the training state's layout or meaning changes
+
+
+def distill_fingerprint(config: DistillConfig, examples: Sequence[task.Example],
+                        heads_by_kind: Mapping[str, Sequence[Head]]) -> dict[str, str]:
+    """Inputs of a distillation run beyond its configuration (which names the teacher's weights):
+    the state format, the training examples with the teacher's outputs and events, the teacher
+    head sets that make the attention targets, and the base student's weights."""
+    return {
+        "format": DISTILL_FORMAT,
+        "examples": value_digest([asdict(e) for e in examples]),
+        "teacher heads": value_digest({k: sorted(map(list, v)) for k, v in sorted(heads_by_kind.items())}),
+        "student init weights": weights_digest(config.student_init) if config.student_init else "fresh",
+    }
+
+
+def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
+    state = load_training_state(out_dir, fingerprint)
+    if state is None:
         return None
-    state = torch.load(state_path, weights_only=False)
     head_set = state["config"].get("student_head_set")
     saved = DistillConfig(**{**state["config"], "student_layers": _tuple(state["config"]["student_layers"]),
                              "student_head_set": None if head_set is None else tuple(tuple(h) for h in head_set)})
@@ -153,6 +178,25 @@ def _resume(out_dir: Path, config: DistillConfig):
 
 def _tuple(value):
     return tuple(value) if value is not None else None
+
+
+def initial_student(config: DistillConfig):
+    """The student before its first step: the base student of ``config.student_init``, or a fresh
+    initialisation (seeded by ``config.seed``), in the run's precision."""
+    dtype = precision_dtype(config.precision)
+    if config.student_init is not None:
+        student = load_base_student(config.student_init, config.family, dtype)
+        architecture = student_architecture(student)
+        differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
+        if differing:
+            raise CheckpointError(f"--student-init {config.student_init} has architecture {differing}, "
+                                  "unlike the run's configuration")
+        return student
+    tokenizer = family_tokenizer(config.family)
+    hf_config = student_config(config.family, len(tokenizer), tokenizer.eos_token_id, n_layer=config.n_layer,
+                               n_head=config.n_head, n_embd=config.n_embd, n_kv_head=config.n_kv_head,
+                               n_ctx=config.n_ctx)
+    return build_student(hf_config, config.seed).to(dtype)
 
 
 def distill(
@@ -172,26 +216,16 @@ def distill(
     `teacher` is a TransformerBridge, `heads_by_kind` its characterised head set per event kind.
     Returns the metadata written next to the weights.
     """
-    out_dir = Path(out_dir)
+    out_dir = claim_checkpoint_dir(out_dir, "distill")
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     tokenizer = family_tokenizer(config.family)
     dtype = precision_dtype(config.precision)
     torch.manual_seed(config.seed)
-    resumed = _resume(out_dir, config)
-    if resumed is None and config.student_init is not None:
-        student = load_base_student(config.student_init, config.family, dtype)
-        architecture = student_architecture(student)
-        differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
-        if differing:
-            raise CheckpointError(f"--student-init {config.student_init} has architecture {differing}, "
-                                  "unlike the run's configuration")
-        step, elapsed, log = 0, 0.0, {"loss": [], "cot": [], "attention": []}
-    elif resumed is None:
-        hf_config = student_config(config.family, len(tokenizer), tokenizer.eos_token_id, n_layer=config.n_layer,
-                                   n_head=config.n_head, n_embd=config.n_embd, n_kv_head=config.n_kv_head,
-                                   n_ctx=config.n_ctx)
-        student = build_student(hf_config, config.seed).to(dtype)
+    fingerprint = distill_fingerprint(config, examples, heads_by_kind)
+    resumed = _resume(out_dir, config, fingerprint)
+    if resumed is None:
+        student = initial_student(config)
         step, elapsed, log = 0, 0.0, {"loss": [], "cot": [], "attention": []}
     else:
         student, state = resumed
@@ -215,6 +249,19 @@ def distill(
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
     n_events = sum(len(item.query_positions) for item in items)
+    run_warnings = []
+    if n_events == 0:
+        message = (f"the {len(items)} distillation examples hold no teacher decision event, so the attention loss "
+                   "has nothing to supervise")
+        if config.effective_weight > 0:
+            raise ValueError(f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)")
+        run_warnings.append(message)
+    elif n_events < config.batch_size:
+        run_warnings.append(f"only {n_events} teacher decision events in {len(items)} examples: most batches hold "
+                            "none, so the attention loss supervises few steps")
+    if too_long:
+        run_warnings.append(f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
+                            "were left out")
 
     def checkpoint() -> dict:
         metadata = {
@@ -222,17 +269,19 @@ def distill(
             "n_params": n_params, "train_time_s": round(elapsed, 1),
             "final_loss": log["loss"][-1] if log["loss"] else None,
             "final_cot_loss": log["cot"][-1] if log["cot"] else None,
-            "final_attention_loss": log["attention"][-1] if log["attention"] else None,
-            # One batch is noisy (and 0 when it holds no event): the mean over the last tenth of
-            # training compares objectives; the CoT run logs it too, unweighted.
-            "attention_loss_tail": tail_mean(log["attention"]),
+            # Batches without an event log no attention loss (None). One batch is noisy: the mean
+            # over the last tenth of the logged steps compares objectives; the CoT run logs it
+            # too, unweighted.
+            "final_attention_loss": next((v for v in reversed(log["attention"]) if v is not None), None),
+            "attention_loss_tail": tail_mean([v for v in log["attention"] if v is not None]),
+            "warnings": run_warnings,
             "n_items": len(items), "n_events": n_events, "n_too_long": too_long,
             "student_heads": [list(h) for h in heads],
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
             "torch": torch.__version__, **dict(extra_metadata or {}),
             **({"student_init": read_metadata(config.student_init)} if config.student_init else {}),
         }
-        state = {"config": asdict(config), "step": step, "elapsed_s": elapsed, "log": log,
+        state = {"config": asdict(config), "fingerprint": fingerprint, "step": step, "elapsed_s": elapsed, "log": log,
                  "optimizer": optimizer.state_dict()}
         save_checkpoint(exportable(student), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
         return metadata
@@ -256,10 +305,11 @@ def distill(
         optimizer.step()
         step += 1
         elapsed += time.perf_counter() - started
-        for name, value in (("loss", loss), ("cot", cot), ("attention", attention)):
-            log[name].append(round(value.item(), 5))
+        has_events = bool(batch.event_mask.any())
+        for name, value in (("loss", loss), ("cot", cot), ("attention", attention if has_events else None)):
+            log[name].append(None if value is None else round(value.item(), 5))
         bar.update(1)
-        bar.set_postfix(cot=f"{cot.item():.3f}", att=f"{attention.item():.3f}")
+        bar.set_postfix(cot=f"{cot.item():.3f}", att=f"{attention.item():.3f}" if has_events else "-")
         if step % config.checkpoint_every == 0 or step == config.steps:
             metadata = checkpoint()
     bar.close()
