@@ -136,9 +136,9 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
     """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md`` and ``figure.html``; returns the
     JSON summary."""
-    frame = load_evaluations(run_dirs)
     out_dir = claim_run_dir(out_dir, "distill-report", legacy_run(
         ["runs.csv", "table.md"], ["table.csv", "paired.csv", "figure.html", "figure.png", "plotly.min.js"]))
+    frame = load_evaluations(run_dirs)
     frame.to_csv(out_dir / "runs.csv", index=False)
     table = summarise(frame)
     table.to_csv(out_dir / "table.csv", index=False)

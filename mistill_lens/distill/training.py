@@ -256,9 +256,10 @@ def distill(
         if config.effective_weight > 0:
             raise ValueError(f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)")
         run_warnings.append(message)
-    elif n_events < config.batch_size:
-        run_warnings.append(f"only {n_events} teacher decision events in {len(items)} examples: most batches hold "
-                            "none, so the attention loss supervises few steps")
+    elif 2 * sum(bool(item.query_positions) for item in items) <= len(items):
+        with_events = sum(bool(item.query_positions) for item in items)
+        run_warnings.append(f"only {with_events} of {len(items)} distillation examples hold a teacher decision event "
+                            f"({n_events} events): most batches hold none, so the attention loss supervises few steps")
     if too_long:
         run_warnings.append(f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
                             "were left out")
