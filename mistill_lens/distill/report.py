@@ -128,6 +128,7 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
             fig.add_trace(go.Bar(
                 x=labels, y=rows[f"{metric}_mean"], name=objective, legendgroup=objective, showlegend=col == 1,
                 marker_color=color, error_y=dict(type="data", array=rows[f"{metric}_std"].tolist()),
+                text=[f"n={n}" for n in rows.n_seeds], textposition="inside",  # seeds behind each bar
             ), row=1, col=col)
     fig.update_layout(barmode="group", title="MISTILL vs CoT distillation (mean ± std over seeds)", height=420, width=280 * len(metrics))
     return fig
