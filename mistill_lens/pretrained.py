@@ -105,19 +105,19 @@ def validate_gguf_file(gguf_path: str | Path) -> Path:
 
 
 def load_gguf_hf_model(
-    gguf_path: str | Path, dtype: torch.dtype = torch.float32
+    gguf_path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The plain transformers model (weights dequantised, eval mode) and the tokenizer stored in
-    the GGUF (a fast tokenizer, with its chat template), offline."""
+    the GGUF (a fast tokenizer, with its chat template), offline. ``eager`` attention (the
+    default) materialises the pattern that hook_pattern reads, so HF and bridge numerics are
+    identical; ``sdpa`` is for training and decoding outside the bridge."""
     path = validate_gguf_file(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
         dtype=dtype,
-        # eager attention materialises the pattern that hook_pattern reads; the bridge would
-        # switch to it anyway, and loading with it makes HF and bridge numerics identical.
-        attn_implementation="eager",
+        attn_implementation=attn_implementation,
         local_files_only=True,
     )
     return hf_model.eval(), tokenizer

@@ -12,6 +12,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from mistill_lens.options import check_options
 from mistill_lens.distill.students import build_student, family_tokenizer, student_config
 from mistill_lens.fingerprint import StaleResultError, check_fingerprint, value_digest
 from mistill_lens.models import (
-    METADATA_FILE, CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, weights_digest,
+    BASE_MODELS, METADATA_FILE, CheckpointError, base_tokenizer, base_weights_digest, is_adapter_checkpoint,
+    load_adapter, load_base_model, load_hf_model, read_metadata, resolve, save_checkpoint, teacher_config,
+    weights_digest,
 )
 from mistill_lens.runs import STAGING_DIR, claim_run_dir, finish_interrupted_commit, legacy_run, verify_manifest
 from mistill_lens.tokenization import teacher_tokenizer
@@ -36,7 +39,8 @@ TRAIN_FORMAT = "train-v1"  # bump when the training state's layout or meaning ch
 # Every file a checkpoint folder holds: a folder of only these, with a training state, is a run
 # written before run markers existed.
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                    "tokenizer_config.json", "special_tokens_map.json", "mistill.json", "manifest.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "mistill.json",
+                    "manifest.json", "adapter_model.safetensors", "adapter_config.json", "README.md",
                     TRAINING_STATE_FILE, STAGING_DIR)
 
 
@@ -84,6 +88,10 @@ class TrainConfig:
     # None: the GPT-2 teacher. A student family ("llama", "gpt2"): a base student of that
     # architecture and tokenizer, trained on the references, for `distill --student-init`.
     student: str | None = None
+    # A pretrained base ("smollm2") fine-tuned with a LoRA adapter of this rank on every attention
+    # and MLP projection, instead of a model trained from scratch (n_layer/n_head/n_embd unused).
+    base: str | None = None
+    lora_r: int = 16
 
     def __post_init__(self):
         check_options(self, seed=options.seed, steps=options.positive, batch_size=options.positive,
@@ -91,7 +99,11 @@ class TrainConfig:
                       weight_decay=options.non_negative_float, universe_size=options.positive, k=options.positive,
                       max_mentions=options.positive, n_layer=options.positive, n_head=options.positive,
                       n_embd=options.positive, checkpoint_every=options.positive,
-                      event_weight=options.positive_float)
+                      event_weight=options.positive_float, lora_r=options.positive)
+        if self.base is not None and self.student is not None:
+            raise ValueError("a LoRA run on a pretrained base (base) is a teacher: it takes no student family")
+        if self.base is not None and self.base not in BASE_MODELS:
+            raise ValueError(f"unknown base model {self.base!r}; expected one of {BASE_MODELS}")
 
     @property
     def role(self) -> str:
@@ -143,6 +155,8 @@ def output_loss(
 
     The unembedding runs only where there is a target.
     """
+    if hasattr(model, "get_base_model"):  # a peft model: its adapters sit inside the wrapped model
+        model = model.get_base_model()
     hidden = model.base_model(input_ids=ids, attention_mask=attention.long()).last_hidden_state
     predicts_target = targets[:, 1:]
     logits = model.get_output_embeddings()(hidden[:, :-1][predicts_target])
@@ -162,12 +176,21 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def role_tokenizer(config: TrainConfig) -> PreTrainedTokenizerFast:
+    if config.base is not None:
+        return base_tokenizer(config.base)
     return teacher_tokenizer() if config.student is None else family_tokenizer(config.student)
 
 
 def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """The model at step 0: `init_from`'s weights, a LoRA adapter on a pretrained base, or a fresh
+    initialisation, all seeded by `config.seed`."""
     torch.manual_seed(config.seed)
+    if config.base is not None:
+        return _lora_model(config)
     if config.init_from is not None:
         model, init_tokenizer = load_hf_model(config.init_from)
         if init_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -184,6 +207,25 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
     return GPT2LMHeadModel(hf_config)
 
 
+def _lora_model(config: TrainConfig, resume_from: Path | None = None):
+    """The pretrained base with a trainable LoRA adapter: fresh (seeded), or the adapter of
+    `resume_from` / `config.init_from` (a LoRA checkpoint of the same base)."""
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = load_base_model(config.base, attn_implementation="sdpa")
+    source = resume_from if resume_from is not None else config.init_from
+    if source is not None:
+        if not is_adapter_checkpoint(source):
+            raise CheckpointError(f"--init-from {source} is not a LoRA checkpoint of base {config.base!r}")
+        return load_adapter(resolve(source), base, trainable=True)
+    torch.manual_seed(config.seed)
+    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
+                      target_modules=list(LORA_TARGETS))
+    with warnings.catch_warnings():  # peft calls a transformers API that transformers 5 deprecates
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(base, lora)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -194,7 +236,8 @@ def train_fingerprint(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -
     """Inputs of a training run beyond its configuration: the state format, the tokenizer, and the
     weights it started from."""
     return {"format": TRAIN_FORMAT, "tokenizer": value_digest(tokenizer.get_vocab()),
-            "init weights": weights_digest(config.init_from) if config.init_from is not None else "fresh"}
+            "init weights": weights_digest(config.init_from) if config.init_from is not None else "fresh",
+            "base weights": base_weights_digest(config.base) if config.base is not None else "none"}
 
 
 def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFast):
@@ -208,7 +251,7 @@ def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFa
             f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
             "use another --out or the same options"
         )
-    model, _ = load_hf_model(out_dir)
+    model = _lora_model(config, resume_from=out_dir) if config.base is not None else load_hf_model(out_dir)[0]
     model.train()
     return model, state
 
@@ -243,7 +286,8 @@ def train(
         step, elapsed, losses = state["step"], state["elapsed_s"], state["losses"]
     model.to(target)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+    parameters = [p for p in model.parameters() if p.requires_grad]  # a LoRA run trains its adapter only
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.98))
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
@@ -253,7 +297,7 @@ def train(
         config.seed, "train", universe_size=config.universe_size, k=config.k,
         max_mentions=config.max_mentions, start=step * config.batch_size,
     )
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in parameters)
 
     def checkpoint() -> dict:
         metadata = {
@@ -262,6 +306,7 @@ def train(
             "config": asdict(config),
             "step": step,
             "n_params": n_params,
+            "n_params_total": sum(p.numel() for p in model.parameters()),
             "train_time_s": round(elapsed, 1),
             "final_loss": losses[-1] if losses else None,
             "torch": torch.__version__,
@@ -298,7 +343,7 @@ def train(
             raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         step += 1
         elapsed += time.perf_counter() - started

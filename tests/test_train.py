@@ -113,3 +113,28 @@ def test_a_base_student_trains_with_its_family_architecture_and_tokenizer(tmp_pa
     assert metadata["role"] == "student" and model.config.model_type == family
     assert tokenizer.get_vocab() == family_tokenizer(family).get_vocab()
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0]  # ln(vocab) at the start
+
+
+def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_path):
+    """A LoRA run on the real pretrained base: the checkpoint holds the adapter, loading merges it
+    into the base with the same logits as the adapter model, a rerun resumes, and a truncated
+    adapter is a clear error."""
+    from mistill_lens.models import CheckpointError, load_hf_model
+    from mistill_lens.train import _lora_model
+
+    config = replace(TINY, base="smollm2", steps=1, batch_size=1, warmup_steps=1, k=4, n_layer=4, lr=1e-3)
+    metadata = train(config, tmp_path / "lora", progress=False)
+    files = {p.name for p in (tmp_path / "lora").iterdir()}
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+    assert metadata["n_params"] < 0.05 * metadata["n_params_total"]  # only the adapter trains
+    merged, tokenizer = load_hf_model(tmp_path / "lora")
+    adapter = _lora_model(config, resume_from=tmp_path / "lora").eval()
+    example = task.generate_examples(1, 0, "heldout", universe_size=300, k=4, max_mentions=1)[0]
+    ids = torch.tensor([encode(tokenizer, example.prompt, example.output)[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter(input_ids=ids).logits, atol=2e-4, rtol=0)
+    assert train(config, tmp_path / "lora", progress=False)["step"] == 1  # finished: resumed, nothing to do
+    weights = tmp_path / "lora" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="adapter could not be loaded"):
+        load_hf_model(tmp_path / "lora")
