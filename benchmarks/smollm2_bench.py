@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from mistill_lens.pretrained import (
+from mistill_lens.models.gguf import (
     bridge_hf_model,
     chat_prompt_ids,
     find_smollm2_gguf,

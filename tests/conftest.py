@@ -8,10 +8,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from transformer_lens import TransformerBridge
 
-from mistill_lens.calibration import calibrate, null_events
-from mistill_lens.events import events_from_spans, make_event_batch
-from mistill_lens.hooks import compute_head_means, event_position_classes
-from mistill_lens.sweep import head_ablation_effects
+from mistill_lens.lens.calibration import calibrate, null_events
+from mistill_lens.lens.events import events_from_spans, make_event_batch
+from mistill_lens.lens.hooks import compute_head_means, event_position_classes
+from mistill_lens.lens.sweep import head_ablation_effects
 
 from planted import VOCAB, planted_bridge, planted_examples
 

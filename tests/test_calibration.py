@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mistill_lens.calibration import calibrate, null_events
+from mistill_lens.lens.calibration import calibrate, null_events
 
 from planted import DECIDER, GENERIC, GENERIC_GAIN, WITHIN
 

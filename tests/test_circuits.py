@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from mistill_lens.circuits import (
+from mistill_lens.lens.circuits import (
     ablation_curve, attention_mass, circuit_report, coverage, family_targets, head_families, knock_in_donors,
     knock_in_transfer, necessity, phase_structure, select_circuit, sufficiency,
 )
-from mistill_lens.sweep import ablation_sweep, effects_tensor, head_ablation_effects
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor, head_ablation_effects
 
 from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 from test_hooks import reference_frequencies
@@ -117,7 +117,7 @@ def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data
 @pytest.fixture(scope="module")
 def region_batch(planted):
     from conftest import encode_all
-    from mistill_lens.events import make_event_batch
+    from mistill_lens.lens.events import make_event_batch
     from planted import planted_examples
     _, tokenizer = planted
     return make_event_batch(encode_all(tokenizer, planted_examples(60, seed=4))).of_kind("region")
@@ -126,8 +126,8 @@ def region_batch(planted):
 def test_early_elicitation_reads_the_region_only_where_it_is_in_the_stream(planted, region_batch):
     """At r-1 ("=") the region appears after layer 0 (the deciding heads write it); at r-2 it is
     the mention token itself; from r-3 on nothing in the stream names it."""
-    from mistill_lens.elicitation import elicitation_curve, elicitation_lead
-    from mistill_lens.events import candidate_token_ids
+    from mistill_lens.lens.elicitation import elicitation_curve, elicitation_lead
+    from mistill_lens.lens.events import candidate_token_ids
     bridge, tokenizer = planted
     curve = elicitation_curve(bridge, region_batch, candidate_token_ids(tokenizer, r"R\d"), ks=range(1, 6), seed=0)
     accuracy = curve.set_index(["method", "k", "stage"])["accuracy"]
@@ -141,7 +141,7 @@ def test_early_elicitation_reads_the_region_only_where_it_is_in_the_stream(plant
 
 
 def test_carrying_heads_are_the_ones_that_write_the_region(planted, region_batch):
-    from mistill_lens.elicitation import carrying_heads, top_heads
+    from mistill_lens.lens.elicitation import carrying_heads, top_heads
     bridge, _ = planted
     at_decision = carrying_heads(bridge, region_batch, k=1, stage=2)
     assert set(top_heads(at_decision, 2)) == {DECIDER, GENERIC}

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import ByT5Tokenizer, GPT2LMHeadModel
 
 from mistill_lens import task
-from mistill_lens.characterize import CharacterizeConfig
+from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.distill.align import overlap_matrix, transfer_mass
 from mistill_lens.distill.attention import (
     attention_kl, collate_items, pattern_recorder, pooled_attention, student_item, teacher_head_sets,
@@ -21,13 +21,13 @@ from mistill_lens.distill.attention import (
 from mistill_lens.distill.data import as_generated, generation_events
 from mistill_lens.distill.evaluation import EVALUATION_FILE, causal_recovery, evaluate_run, median_recovery
 from mistill_lens.distill.report import load_evaluations, paired_comparison, sign_flip_p_value, summarise, write_report
-from mistill_lens.distill.students import build_student, exportable, family_tokenizer, student_config
+from mistill_lens.models.students import build_student, exportable, family_tokenizer, student_config
 import mistill_lens.distill.training as training_module
 from mistill_lens.distill.training import DistillConfig, distill, distillation_items, initial_student, student_losses
-from mistill_lens.events import events_from_spans
+from mistill_lens.lens.events import events_from_spans
 from mistill_lens.runs import file_digest
-from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, to_bridge
-from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
+from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, to_bridge
+from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 
 TASK = {"universe_size": 300, "k": 8, "max_mentions": 2}
 TEACHER_HEADS = {"region": [(1, 0)], "within": [(1, 1)], "near_miss": [(0, 1), (1, 0)], "all": [(0, 1), (1, 0), (1, 1)]}
@@ -325,7 +325,7 @@ def test_a_run_trained_with_other_heads_is_not_resumed_with_new_ones(teacher, ex
 
 
 def test_student_heads_option_parses_layer_dot_head():
-    from mistill_lens.distill.pipeline import parse_head_set
+    from mistill_lens.cli.distill import parse_head_set
 
     assert parse_head_set("3.3, 2.0") == ((3, 3), (2, 0))
     with pytest.raises(ValueError, match="LAYER.HEAD"):
@@ -467,7 +467,7 @@ def test_student_init_refuses_another_family_or_architecture(teacher, examples, 
 def test_shipped_base_students_load_as_their_family_with_their_training_record(family):
     from pathlib import Path
 
-    from mistill_lens.distill.students import load_base_student
+    from mistill_lens.models.students import load_base_student
 
     path = Path(__file__).parent.parent / "checkpoints" / "base_students" / family
     model = load_base_student(path, family, torch.float32)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mistill_lens import task
-from mistill_lens.evaluate import Scores, teacher_forced_events
-from mistill_lens.events import EVENT_KINDS, events_from_spans
-from mistill_lens.tokenization import teacher_tokenizer
-from mistill_lens.icd import load_universe
+from mistill_lens.task.metrics import Scores, teacher_forced_events
+from mistill_lens.lens.events import EVENT_KINDS, events_from_spans
+from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.task.icd import load_universe
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_shipped_teacher_selects_from_the_context_on_heldout_codes():
     context-blind guess. At its K = 4, copying a random candidate's region is right
     about 3 times in 4, and guessing among the gold region's 2-3 candidates at most 1 in 2;
     measured 2026-12-03 on these 48 examples: region 0.94, near-miss 0.81 teacher-forced."""
-    from mistill_lens.models import load_hf_model, read_metadata
+    from mistill_lens.models.checkpoints import load_hf_model, read_metadata
 
     model, tokenizer = load_hf_model("default")
     config = read_metadata("default")["config"]

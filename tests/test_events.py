@@ -3,7 +3,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from mistill_lens.events import (
+from mistill_lens.lens.events import (
     candidate_token_ids, decided_rows, decision_margins, events_from_generation, events_from_spans,
     greedy_generate, make_event_batch, margin_fraction, margins_at,
 )

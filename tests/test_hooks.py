@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from mistill_lens.events import decision_margins
-from mistill_lens.hooks import (
+from mistill_lens.lens.events import decision_margins
+from mistill_lens.lens.hooks import (
     ablate_all_but_hooks, all_heads, attribution_scores, collect_z, compute_head_means, event_position_classes,
     gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
 )
-from mistill_lens.sweep import head_ablation_effects
+from mistill_lens.lens.sweep import head_ablation_effects
 
 from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 
@@ -170,7 +170,7 @@ def test_planted_knock_in_transfers_exactly_the_deciders_share(planted, planted_
     with torch.no_grad():
         logits = bridge.run_with_hooks(batch.tokens, fwd_hooks=hooks)
         clean_logits = bridge(batch.tokens)
-    from mistill_lens.events import margins_at
+    from mistill_lens.lens.events import margins_at
     donor_choice = (batch.predict_positions, batch.chosen[donors], batch.contrast[donors])
     before = margins_at(clean_logits, *donor_choice)
     after = margins_at(logits, *donor_choice)
@@ -184,7 +184,7 @@ def test_the_same_hooks_work_on_a_llama_bridge_with_grouped_kv_heads(planted, pl
     """The student family: rotary, RMSNorm, 4 query heads sharing 2 key/value heads."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformer_lens import TransformerBridge
-    from mistill_lens.hooks import means_from_events
+    from mistill_lens.lens.hooks import means_from_events
     from planted import VOCAB
     _, tokenizer = planted
     torch.manual_seed(0)

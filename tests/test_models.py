@@ -7,8 +7,8 @@ import torch
 from transformer_lens.utilities import get_act_name
 from transformers import GPT2LMHeadModel
 
-from mistill_lens.models import CheckpointError, load_hf_model, save_checkpoint, teacher_config, to_bridge
-from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
+from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, save_checkpoint, teacher_config, to_bridge
+from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 
 
 @pytest.fixture()

@@ -4,9 +4,9 @@ import pandas as pd
 import pytest
 import torch
 
-from mistill_lens import plot
-from mistill_lens.calibration import Calibration
-from mistill_lens.characterize import CharacterizeConfig, characterize, rank_correlation
+from mistill_lens.lens import plot
+from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.characterize import CharacterizeConfig, characterize, rank_correlation
 
 from planted import DECIDER, WITHIN, planted_examples
 

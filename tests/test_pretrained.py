@@ -12,8 +12,8 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'")
 
-from mistill_lens import pretrained  # noqa: E402
-from mistill_lens.pretrained import (  # noqa: E402
+from mistill_lens.models import gguf as pretrained  # noqa: E402
+from mistill_lens.models.gguf import (  # noqa: E402
     GGUFFileError,
     PretrainedModel,
     bridge_hf_model,

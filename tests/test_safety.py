@@ -16,23 +16,23 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import mistill_lens.sweep as sweep_module
+import mistill_lens.lens.sweep as sweep_module
 from mistill_lens import cli, task
-from mistill_lens.characterize import CharacterizeConfig, characterize
-from mistill_lens.events import DecisionEvent, make_event_batch, margins_at
-from mistill_lens.fingerprint import StaleResultError
-from mistill_lens.hooks import (
+from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.lens.events import DecisionEvent, make_event_batch, margins_at
+from mistill_lens.lens.fingerprint import StaleResultError
+from mistill_lens.lens.hooks import (
     ablate_all_but_hooks, all_heads, attribution_scores, compute_head_means, event_position_classes,
     gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
 )
-from mistill_lens.models import load_hf_model, save_checkpoint, teacher_config, to_bridge
+from mistill_lens.models.checkpoints import load_hf_model, save_checkpoint, teacher_config, to_bridge
 from mistill_lens.runs import (
     COMMIT_FILE, MARKER_FILE, STAGING_DIR, OutputError, claim_run_dir, commit_staged, finish_interrupted_commit,
     staging_dir,
 )
-from mistill_lens.sweep import ablation_sweep
-from mistill_lens.tokenization import teacher_tokenizer
-from mistill_lens.train import TrainConfig, train
+from mistill_lens.lens.sweep import ablation_sweep
+from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.training.loop import TrainConfig, train
 
 from planted import VOCAB, planted_examples
 

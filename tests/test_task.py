@@ -8,8 +8,9 @@ import sys
 import pytest
 import simple_icd_10_cm as cm
 
-from mistill_lens import icd, task
-from mistill_lens.icd import load_universe, region_of, suffix_of
+from mistill_lens import task
+from mistill_lens.task import icd
+from mistill_lens.task.icd import load_universe, region_of, suffix_of
 
 
 @pytest.fixture(scope="module")

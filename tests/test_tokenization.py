@@ -3,14 +3,15 @@
 import pytest
 
 from mistill_lens import task
-from mistill_lens.icd import load_universe, region_of, suffix_of
-from mistill_lens.tokenization import (
-    build_student_tokenizer,
-    build_teacher_tokenizer,
-    code_tokens,
-    student_tokenizer,
-    teacher_tokenizer,
-)
+from mistill_lens.task.icd import load_universe, region_of, suffix_of
+from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
+from mistill_lens.task.build_tokenizers import build_student_tokenizer, build_teacher_tokenizer
+
+
+def code_tokens(tokenizer, code: str) -> list[str]:
+    """How ``tokenizer`` splits a code written after a space, as it is in the trace."""
+    ids = tokenizer(" " + code, add_special_tokens=False)["input_ids"]
+    return [t for t in tokenizer.convert_ids_to_tokens(ids) if t != "Ġ"]
 
 
 @pytest.fixture(scope="module")

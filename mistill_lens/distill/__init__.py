@@ -3,10 +3,11 @@ same-family and cross-family students, and measure the students' causal recovery
 
 Modules: `align` (cross-tokenizer mass transfer by character spans), `data` (the teacher's
 generations as distillation data), `attention` (targets, student pooled attention, the loss),
-`students` (Llama / GPT-2 students, precision modes), `training`, `evaluation` (characterise the
-student afresh, causal recovery, task accuracy), `report`, `pipeline` (the commands).
+`training` (the MISTILL objective), `evaluation` (characterise the student afresh, causal
+recovery, task accuracy), `report`. Students are in `mistill_lens.models.students`; the commands
+in `mistill_lens.cli.distill`.
 """
 
-FAMILIES = ("llama", "gpt2")
+from mistill_lens.models import FAMILIES, PRECISIONS  # noqa: F401  (re-exported: the distill options)
+
 OBJECTIVES = ("cot", "mistill")
-PRECISIONS = ("bf16", "fp32-master")

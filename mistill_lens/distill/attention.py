@@ -4,7 +4,7 @@ Target of one event: the teacher's attention from the position that predicts the
 (its ``predict_position``) over its source positions, averaged over the characterised heads of
 the event's kind, read from ``hook_pattern`` with ``run_with_cache``; then moved onto the
 student's tokens by character overlap (:mod:`mistill_lens.distill.align`). Events are placed in
-each tokenizer by :func:`mistill_lens.events.events_from_spans`, the characterisation's own
+each tokenizer by :func:`mistill_lens.lens.events.events_from_spans`, the characterisation's own
 placement, so teacher and student events pair up one to one.
 """
 
@@ -22,9 +22,9 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.distill.align import require_offsets, transfer_mass
-from mistill_lens.events import EVENT_KINDS, EncodedExample, events_from_spans
-from mistill_lens.hooks import Head, HookPair, validate_heads
-from mistill_lens.train import collate, encode
+from mistill_lens.lens.events import EVENT_KINDS, EncodedExample, events_from_spans
+from mistill_lens.lens.hooks import Head, HookPair, validate_heads
+from mistill_lens.training.loop import collate, encode
 
 PROBABILITY_FLOOR = 1e-30  # keeps log(student attention) finite where it underflows to zero
 

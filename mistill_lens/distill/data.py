@@ -19,11 +19,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mistill_lens import task
-from mistill_lens.evaluate import greedy_generate
-from mistill_lens.fingerprint import (
+from mistill_lens.task.metrics import greedy_generate
+from mistill_lens.lens.fingerprint import (
     StaleResultError, StaleResultWarning, check_fingerprint, read_fingerprint, write_fingerprint,
 )
-from mistill_lens.models import load_hf_model, weights_digest
+from mistill_lens.models.checkpoints import load_hf_model, weights_digest
 from mistill_lens.runs import file_digest
 
 

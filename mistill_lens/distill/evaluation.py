@@ -1,7 +1,7 @@
 """After training: characterise each student afresh and measure its causal recovery.
 
 The student's heads are found by the characterisation pipeline
-(:func:`mistill_lens.characterize.characterize`) on held-out examples, never assumed from the
+(:func:`mistill_lens.lens.characterize.characterize`) on held-out examples, never assumed from the
 teacher. Causal recovery of the contrastive decision = the mean, over decided near-miss
 events, of the fraction of the student's margin its found circuit (the union over event kinds,
 as the characterisation reports it) carries, by exact mean-ablation (necessity) and by knock-in
@@ -22,9 +22,9 @@ from pathlib import Path
 import pandas as pd
 
 from mistill_lens import task
-from mistill_lens.characterize import CharacterizeConfig, characterize
-from mistill_lens.evaluate import evaluate
-from mistill_lens.models import load_hf_model, load_model, read_metadata
+from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.task.metrics import evaluate
+from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 
 EVALUATION_FILE = "evaluation.json"
 

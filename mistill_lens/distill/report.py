@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
-from mistill_lens.plot import write_figure
+from mistill_lens.lens.plot import write_figure
 from mistill_lens.runs import claim_run_dir, legacy_run
 
 CELL = ["family", "objective", "precision"]

@@ -4,7 +4,7 @@ The CoT baseline is the same code with lambda = 0: the attention loss is still c
 logged, so both objectives report how far the student's attention is from the target) but
 weighted by zero, so data, order, seeds and updates are those of the CoT run exactly. The
 teacher is only read, under ``no_grad``, to build the targets before training starts.
-Resumable like :func:`mistill_lens.train.train`: weights, optimizer state and step are written
+Resumable like :func:`mistill_lens.training.loop.train`: weights, optimizer state and step are written
 atomically every ``checkpoint_every`` steps and at the end; rerunning the same command resumes.
 """
 
@@ -25,14 +25,14 @@ from mistill_lens.distill import OBJECTIVES
 from mistill_lens.distill.attention import (
     DistillItem, attention_kl, collate_items, heads_in_layers, pattern_recorder, pooled_attention, student_item,
 )
-from mistill_lens.distill.students import (
+from mistill_lens.models.students import (
     autocast, build_student, context_length, exportable, family_tokenizer, load_base_student, precision_dtype,
     student_architecture, student_config,
 )
-from mistill_lens.hooks import Head, n_layers_heads, validate_heads
-from mistill_lens.fingerprint import value_digest
-from mistill_lens.models import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge, weights_digest
-from mistill_lens.train import (
+from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
+from mistill_lens.lens.fingerprint import value_digest
+from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge, weights_digest
+from mistill_lens.training.loop import (
     TRAINING_STATE_FILE, claim_checkpoint_dir, encode, learning_rate, load_training_state, output_loss,
 )
 

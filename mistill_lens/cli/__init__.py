@@ -16,7 +16,7 @@ SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
 def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: bool = False) -> None:
     """--universe-size, --k, --max-mentions; for a trained model they default to its training values."""
     from mistill_lens import task
-    from mistill_lens.icd import DEFAULT_UNIVERSE_SIZE
+    from mistill_lens.task.icd import DEFAULT_UNIVERSE_SIZE
 
     options = (
         ("--universe-size", DEFAULT_UNIVERSE_SIZE, "codes in the label universe, up to 12536"),
@@ -34,7 +34,7 @@ def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: b
 def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> dict:
     """Task options from the command line, else the model's training values, else the defaults."""
     from mistill_lens import task
-    from mistill_lens.icd import DEFAULT_UNIVERSE_SIZE
+    from mistill_lens.task.icd import DEFAULT_UNIVERSE_SIZE
 
     fallback = {"universe_size": DEFAULT_UNIVERSE_SIZE, "k": task.DEFAULT_K,
                 "max_mentions": task.DEFAULT_MAX_MENTIONS, **(model_config or {})}
@@ -59,7 +59,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from mistill_lens.train import TrainConfig, train
+    from mistill_lens.training.loop import TrainConfig, train
 
     if (args.role == "student") != (args.student is not None):
         raise ValueError("--role student needs --student llama|gpt2, and --student needs --role student")
@@ -77,8 +77,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from mistill_lens import task
-    from mistill_lens.evaluate import evaluate
-    from mistill_lens.models import load_hf_model, read_metadata
+    from mistill_lens.task.metrics import evaluate
+    from mistill_lens.models.checkpoints import load_hf_model, read_metadata
 
     from mistill_lens.runs import claim_output_file
 
@@ -96,25 +96,25 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 def cmd_build_tokenizers(args: argparse.Namespace) -> None:
     from mistill_lens.runs import claim_run_dir
-    from mistill_lens.tokenization import build_and_save
+    from mistill_lens.task.build_tokenizers import build_and_save
 
     build_and_save(claim_run_dir(args.out, "build-tokenizers"))
     print(json.dumps({"out": args.out}))
 
 
 def cmd_characterize(args: argparse.Namespace) -> None:
-    from mistill_lens.characterize import claim_characterize_dir
+    from mistill_lens.lens.characterize import claim_characterize_dir
 
     claim_characterize_dir(args.out)  # refused up front, before the model loads
     if args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
-        from mistill_lens.zero_shot import SMOLLM2_DEFAULT_N, SMOLLM2_TASK_DEFAULTS, run_characterize_smollm2
+        from mistill_lens.task.zero_shot import SMOLLM2_DEFAULT_N, SMOLLM2_TASK_DEFAULTS, run_characterize_smollm2
 
         args.n = args.n if args.n is not None else SMOLLM2_DEFAULT_N
         run_characterize_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
         return
-    from mistill_lens.characterize import run_characterize
-    from mistill_lens.models import read_metadata
+    from mistill_lens.lens.characterize import run_characterize
+    from mistill_lens.models.checkpoints import read_metadata
 
     args.n = args.n if args.n is not None else 40
     run_characterize(args, _task_config(args, read_metadata(args.model).get("config")))
@@ -122,7 +122,7 @@ def cmd_characterize(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mistill_lens.distill import FAMILIES
-    from mistill_lens.task import SPLITS
+    from mistill_lens.task.examples import SPLITS
 
     parser = argparse.ArgumentParser(
         prog="mistill-lens",
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task_options(characterize, defaults_from_model=True)
     characterize.set_defaults(func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out")
 
-    from mistill_lens.distill.pipeline import add_distill_parsers
+    from mistill_lens.cli.distill import add_distill_parsers
 
     add_distill_parsers(sub)
     return parser
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix = f"mistill-lens {args.command}"
     if getattr(args, "no_progress", False):
         _silence_loading_bars()
-    from mistill_lens.fingerprint import StaleResultWarning
+    from mistill_lens.lens.fingerprint import StaleResultWarning
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, StaleResultWarning):

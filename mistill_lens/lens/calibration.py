@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens.events import NULL_KIND, DecisionEvent, EncodedExample, kind_mask
+from mistill_lens.lens.events import NULL_KIND, DecisionEvent, EncodedExample, kind_mask
 
 
 def null_events(

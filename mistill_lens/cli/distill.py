@@ -18,7 +18,7 @@ TASK_KEYS = ("universe_size", "k", "max_mentions")
 
 
 def teacher_task_config(teacher_dir: Path) -> dict:
-    from mistill_lens.models import CheckpointError, read_metadata
+    from mistill_lens.models.checkpoints import CheckpointError, read_metadata
 
     if not Path(teacher_dir).is_dir():
         raise CheckpointError(f"teacher folder {teacher_dir} does not exist (give a checkpoint folder, or 'default')")
@@ -34,8 +34,8 @@ def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config:
     """``heads.json`` of the teacher's characterisation on validation examples (run once, cached;
     an interrupted one resumes its sweeps)."""
     from mistill_lens import task
-    from mistill_lens.characterize import CharacterizeConfig, characterize
-    from mistill_lens.models import weights_digest
+    from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+    from mistill_lens.models.checkpoints import weights_digest
 
     out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
     if not (out / "summary.json").is_file():  # written last: the characterisation finished
@@ -54,7 +54,7 @@ def student_architecture_options(args: argparse.Namespace) -> dict:
         return {k: v if v is not None else defaults[k] for k, v in sizes.items()}
     import torch
 
-    from mistill_lens.distill.students import load_base_student, student_architecture
+    from mistill_lens.models.students import load_base_student, student_architecture
 
     architecture = student_architecture(load_base_student(args.student_init, args.student, torch.float32))
     conflicting = {k: v for k, v in sizes.items() if v is not None and v != architecture[k]}
@@ -77,12 +77,12 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
 def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_generations
-    from mistill_lens.models import weights_digest
+    from mistill_lens.models.checkpoints import weights_digest
     from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
     from mistill_lens.distill.training import DistillConfig, distill
-    from mistill_lens.models import load_model, resolve
+    from mistill_lens.models.checkpoints import load_model, resolve
     from mistill_lens.runs import claim_run_dir
-    from mistill_lens.train import claim_checkpoint_dir
+    from mistill_lens.training.loop import claim_checkpoint_dir
 
     teacher_dir = resolve(args.teacher)
     out = Path(args.out)
@@ -114,7 +114,7 @@ def run_distill(args: argparse.Namespace) -> dict:
                        progress=progress)
     result = {k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")}
     if args.n_eval > 0:
-        from mistill_lens.characterize import CharacterizeConfig
+        from mistill_lens.lens.characterize import CharacterizeConfig
 
         z_min = args.teacher_z_min if args.student_z_min is None else args.student_z_min
         previous = out / EVALUATION_FILE

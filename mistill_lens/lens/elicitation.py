@@ -20,8 +20,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.events import EventBatch
-from mistill_lens.hooks import Head, HookPair, all_heads, compute_head_means, mean_ablation_hooks
+from mistill_lens.lens.events import EventBatch
+from mistill_lens.lens.hooks import Head, HookPair, all_heads, compute_head_means, mean_ablation_hooks
 
 DEFAULT_KS = tuple(range(1, 9))
 

@@ -16,11 +16,11 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mistill_lens.events import EventBatch
-from mistill_lens.fingerprint import (
+from mistill_lens.lens.events import EventBatch
+from mistill_lens.lens.fingerprint import (
     StaleResultError, StaleResultWarning, check_fingerprint, model_digest, read_fingerprint, tensor_digest, value_digest, write_fingerprint,
 )
-from mistill_lens.hooks import (
+from mistill_lens.lens.hooks import (
     Head, HeadMeans, HookPair, all_heads, event_position_classes, mean_ablation_hooks, run_margins, validate_heads,
 )
 

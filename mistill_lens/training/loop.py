@@ -24,15 +24,15 @@ from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFa
 
 from mistill_lens import options, task
 from mistill_lens.options import check_options
-from mistill_lens.distill.students import build_student, family_tokenizer, student_config
-from mistill_lens.fingerprint import StaleResultError, check_fingerprint, value_digest
-from mistill_lens.models import (
+from mistill_lens.models.students import build_student, family_tokenizer, student_config
+from mistill_lens.lens.fingerprint import StaleResultError, check_fingerprint, value_digest
+from mistill_lens.models.checkpoints import (
     BASE_MODELS, METADATA_FILE, CheckpointError, base_tokenizer, base_weights_digest, is_adapter_checkpoint,
     load_adapter, load_base_model, load_hf_model, read_metadata, resolve, save_checkpoint, teacher_config,
     weights_digest,
 )
 from mistill_lens.runs import STAGING_DIR, claim_run_dir, finish_interrupted_commit, legacy_run, verify_manifest
-from mistill_lens.tokenization import teacher_tokenizer
+from mistill_lens.models.tokenizers import teacher_tokenizer
 
 TRAINING_STATE_FILE = "training_state.pt"
 TRAIN_FORMAT = "train-v1"  # bump when the training state's layout or meaning changes

@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.events import EventBatch, POSITION_CLASSES, decision_margins
+from mistill_lens.lens.events import EventBatch, POSITION_CLASSES, decision_margins
 
 Head = tuple[int, int]
 HookFn = Callable[[Tensor, object], Tensor]

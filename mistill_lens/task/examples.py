@@ -7,7 +7,7 @@ the final code list). The generator records every decision in the output as an
 :class:`Event` with character offsets into ``prompt + output``.
 
 Splits: ``train`` and ``validation`` draw gold codes from the 4/5 of codes outside the fixed
-held-out partition (:func:`mistill_lens.icd.is_heldout_code`); ``heldout`` draws gold codes only
+held-out partition (:func:`mistill_lens.task.icd.is_heldout_code`); ``heldout`` draws gold codes only
 from that partition, so held-out scores measure in-context selection, not memorisation.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from mistill_lens.icd import (
+from mistill_lens.task.icd import (
     DEFAULT_UNIVERSE_SIZE,
     Universe,
     is_heldout_code,

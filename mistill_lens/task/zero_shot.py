@@ -9,7 +9,7 @@ where the written region and the strongest competing candidate region differ, an
 event the first token where the written code and the strongest competing candidate of the same
 region differ ("strongest": smallest margin at its departure token, read from the model's own
 logits). Events are stored as character spans with their contrast text, so
-:func:`mistill_lens.events.events_from_spans` places them on the same departure tokens inside the
+:func:`mistill_lens.lens.events.events_from_spans` places them on the same departure tokens inside the
 characterisation pipeline.
 
 Why an answer prefix instead of a two-line ``Region: ... / Code: ...`` reply: the 135M model
@@ -18,7 +18,7 @@ code; see docs/pretrained.md), while after "The candidate code is" it writes a c
 
 Generation is greedy on the bridge's own logits. A plain transformers copy of the same weights,
 when given, drafts the continuation with its KV cache and one bridge forward verifies every drafted
-token (the bridge's KV cache is broken, ``mistill_lens.pretrained``): the tokens are exactly the
+token (the bridge's KV cache is broken, ``mistill_lens.models.gguf``): the tokens are exactly the
 bridge's greedy tokens, at the cost of about two forwards instead of one per new token.
 """
 
@@ -40,9 +40,9 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mistill_lens import task
-from mistill_lens.events import events_from_spans
-from mistill_lens.icd import region_of, suffix_of
-from mistill_lens.pretrained import bridge_hf_model, chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
+from mistill_lens.lens.events import events_from_spans
+from mistill_lens.task.icd import region_of, suffix_of
+from mistill_lens.models.gguf import bridge_hf_model, chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
 
 SYSTEM_MESSAGE = "You are a clinical coder."
 QUESTION = "Which candidate code is the diagnosis in the note? Give its region (category), then the code."
@@ -258,7 +258,7 @@ def write_generations(examples: Sequence[ZeroShotExample], path: Path) -> None:
 def run_characterize_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     """``characterize --model smollm2``: zero-shot replies of SmolLM2 to task examples (and to
     separate reference examples for the means), then the same pipeline as ``--model default``."""
-    from mistill_lens.characterize import CharacterizeConfig, characterize, claim_characterize_dir
+    from mistill_lens.lens.characterize import CharacterizeConfig, characterize, claim_characterize_dir
 
     out_dir = claim_characterize_dir(args.out)
     bridge, tokenizer, draft = load_smollm2_with_draft()

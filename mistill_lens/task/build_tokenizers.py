@@ -1,4 +1,4 @@
-"""Offline, Hugging Face-compatible tokenizers for the coding task, both with character offsets.
+"""Building the task's tokenizers (deterministic, offline), both with character offsets.
 
 * The **teacher** tokenizer is a byte-level BPE over the task's wording in which every ICD-10-CM
   code is exactly two tokens: its region (``I21``) and its within-region suffix (``.4``), both
@@ -7,24 +7,22 @@
   code is several tokens (``I``, ``2``, ``1``, ``.``, ``4``). Distillation has to align the two
   through character spans.
 
-Both are trained deterministically from the real ICD-10-CM wording and shipped under
-``mistill_lens/assets``; ``mistill-lens build-tokenizers`` rebuilds them.
+Both are trained deterministically from the real ICD-10-CM wording; the shipped copies
+under ``mistill_lens/assets`` are loaded by :mod:`mistill_lens.models.tokenizers`.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Iterator
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mistill_lens import icd, task
+from mistill_lens import task
+from mistill_lens.models.tokenizers import STUDENT_DIR, TEACHER_DIR
+from mistill_lens.task import icd
 
-ASSETS = Path(__file__).parent / "assets"
-TEACHER_DIR = ASSETS / "teacher_tokenizer"
-STUDENT_DIR = ASSETS / "student_tokenizer"
 END_OF_TEXT = "<|endoftext|>"
 TEACHER_TEXT_VOCAB = 2048
 STUDENT_VOCAB = 1024
@@ -97,28 +95,9 @@ def build_student_tokenizer() -> PreTrainedTokenizerFast:
     return _wrap(_byte_level_bpe(pre, STUDENT_VOCAB, iter(corpus)))
 
 
-def build_and_save(out: Path = ASSETS) -> None:
+def build_and_save(out: Path) -> None:
+    """Write both tokenizers under ``out`` (as ``teacher_tokenizer/`` and ``student_tokenizer/``)."""
     build_teacher_tokenizer().save_pretrained(out / TEACHER_DIR.name)
     build_student_tokenizer().save_pretrained(out / STUDENT_DIR.name)
 
 
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"no tokenizer.json in {path}")
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
-
-
-def teacher_tokenizer() -> PreTrainedTokenizerFast:
-    return load_tokenizer(TEACHER_DIR)
-
-
-def student_tokenizer() -> PreTrainedTokenizerFast:
-    return load_tokenizer(STUDENT_DIR)
-
-
-def code_tokens(tokenizer: PreTrainedTokenizerFast, code: str) -> list[str]:
-    """How ``tokenizer`` splits a code written after a space, as it is in the trace."""
-    ids = tokenizer(" " + code, add_special_tokens=False)["input_ids"]
-    return [t for t in tokenizer.convert_ids_to_tokens(ids) if t != "Ġ"]

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
-from mistill_lens.calibration import Calibration
+from mistill_lens.lens.calibration import Calibration
 
 
 def head_map_figure(calibration: Calibration) -> go.Figure:

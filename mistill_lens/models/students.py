@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from mistill_lens.distill import FAMILIES, PRECISIONS
-from mistill_lens.models import teacher_config
-from mistill_lens.tokenization import student_tokenizer, teacher_tokenizer
+from mistill_lens.models import FAMILIES, PRECISIONS
+from mistill_lens.models.checkpoints import teacher_config
+from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 
 BRIDGE_KEY_PART = "._original_component"
 
@@ -97,7 +97,7 @@ def student_architecture(model: PreTrainedModel) -> dict:
 
 def load_base_student(path, family: str, dtype: torch.dtype) -> PreTrainedModel:
     """A base student (``train --role student``) to start distillation from, checked against `family`."""
-    from mistill_lens.models import CheckpointError, load_hf_model
+    from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 
     model, tokenizer = load_hf_model(path, dtype=dtype, attn_implementation="eager")
     expected = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel

@@ -28,20 +28,21 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens import options, plot
+from mistill_lens import options
+from mistill_lens.lens import plot
 from mistill_lens.options import check_options
-from mistill_lens.calibration import Calibration, calibrate, null_events
-from mistill_lens.circuits import (
+from mistill_lens.lens.calibration import Calibration, calibrate, null_events
+from mistill_lens.lens.circuits import (
     ablation_curve, attention_mass, circuit_report, family_targets, head_families, phase_structure, select_circuit,
 )
-from mistill_lens.elicitation import carrying_heads, elicitation_curve, elicitation_lead, top_heads
-from mistill_lens.events import (
+from mistill_lens.lens.elicitation import carrying_heads, elicitation_curve, elicitation_lead, top_heads
+from mistill_lens.lens.events import (
     DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, kind_mask, make_event_batch,
 )
-from mistill_lens.fingerprint import StaleResultWarning
+from mistill_lens.lens.fingerprint import StaleResultWarning
 from mistill_lens.runs import claim_run_dir, legacy_run
-from mistill_lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
-from mistill_lens.sweep import ablation_sweep, clean_margins, effects_tensor
+from mistill_lens.lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
+from mistill_lens.lens.sweep import ablation_sweep, clean_margins, effects_tensor
 
 REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
 RUN_KIND = "characterize"
@@ -329,7 +330,7 @@ def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candid
 def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | None = None) -> dict:
     """The `characterize` command: load the model and task examples, run `characterize`, print the summary."""
     from mistill_lens import task
-    from mistill_lens.models import load_model
+    from mistill_lens.models.checkpoints import load_model
 
     bridge, tokenizer = load_model(args.model)
     task_config = dict(task_config or {})

@@ -17,13 +17,13 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.calibration import Calibration
-from mistill_lens.events import DecisionEvent, EncodedExample, EventBatch, kind_mask, margin_fraction, margins_at
-from mistill_lens.hooks import (
+from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.events import DecisionEvent, EncodedExample, EventBatch, kind_mask, margin_fraction, margins_at
+from mistill_lens.lens.hooks import (
     Head, HeadMeans, ablate_all_but_hooks, all_heads, collect_z, event_position_classes, gather_at_positions,
     knock_in_hooks, validate_heads,
 )
-from mistill_lens.sweep import ablated_margins, chunked_margins, clean_margins
+from mistill_lens.lens.sweep import ablated_margins, chunked_margins, clean_margins
 
 # --- selection -------------------------------------------------------------------------------
 

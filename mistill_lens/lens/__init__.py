@@ -1,0 +1,4 @@
+"""The task-free toolkit: decision events and margins, interventions as composable hook functions,
+null calibration, exact sweeps, circuits and head families, early elicitation, the characterisation
+pipeline and its figures. Imports torch, TransformerLens and the package's own utilities only:
+never the task, the CLI or the ICD data."""

@@ -1,0 +1,2 @@
+"""Training on the task: one resumable loop for teachers (from scratch or LoRA on a pretrained
+base) and base students (`loop`); the distillation objective builds on it (`mistill_lens.distill`)."""
