@@ -9,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformer_lens import TransformerBridge
 
 from mistill_lens.lens.calibration import calibrate, null_events
-from mistill_lens.lens.events import events_from_spans, make_event_batch
+from mistill_lens.lens.events import events_from_spans, make_event_batch, position_class_names
 from mistill_lens.lens.hooks import compute_head_means, event_position_classes
 from mistill_lens.lens.sweep import head_ablation_effects
 
@@ -50,7 +50,8 @@ def planted_data(planted):
     reference_events = [e for x in reference for e in x.events]
     reference_nulls = null_events(reference, reference_events, per_event=1, seed=1)
     reference_batch = make_event_batch(reference, reference_events + reference_nulls)
-    means = compute_head_means(bridge, reference_batch.tokens, event_position_classes(reference_batch))
+    means = compute_head_means(bridge, reference_batch.tokens, event_position_classes(reference_batch),
+                               position_class_names(reference_batch.kinds))
     batch = make_event_batch(examples)
     nulls = make_event_batch(examples, null_events(examples, batch.events, per_event=2, seed=0))
     return {"examples": examples, "batch": batch, "nulls": nulls, "means": means,

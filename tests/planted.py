@@ -171,9 +171,11 @@ def planted_examples(n: int, seed: int) -> list[dict]:
             "output": output,
             "events": [
                 {"kind": "region", "start": region_start, "end": region_start + len(REGIONS[chosen_region]),
-                 "chosen": REGIONS[chosen_region], "contrast": REGIONS[contrast_region], "mention": 0},
+                 "chosen": REGIONS[chosen_region], "contrast": REGIONS[contrast_region], "mention": 0,
+                 "region": REGIONS[chosen_region]},
                 {"kind": "within", "start": within_start, "end": within_start + len(SUFFIXES[chosen_suffix]),
-                 "chosen": SUFFIXES[chosen_suffix], "contrast": SUFFIXES[contrast_suffix], "mention": 0},
+                 "chosen": SUFFIXES[chosen_suffix], "contrast": SUFFIXES[contrast_suffix], "mention": 0,
+                 "region": REGIONS[chosen_region]},
             ],
         })
     return examples

@@ -7,7 +7,7 @@ from mistill_lens.lens.circuits import (
 )
 from mistill_lens.lens.sweep import ablation_sweep, effects_tensor, head_ablation_effects
 
-from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
+from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN
 from test_hooks import reference_frequencies
 
 

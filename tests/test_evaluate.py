@@ -8,7 +8,8 @@ import torch
 
 from mistill_lens import task
 from mistill_lens.task.metrics import Scores, teacher_forced_events
-from mistill_lens.lens.events import EVENT_KINDS, events_from_spans
+from mistill_lens.lens.events import events_from_spans
+from mistill_lens.task.examples import EVENT_KINDS
 from mistill_lens.models.tokenizers import teacher_tokenizer
 from mistill_lens.task.icd import load_universe
 

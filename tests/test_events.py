@@ -8,7 +8,7 @@ from mistill_lens.lens.events import (
     greedy_generate, make_event_batch, margin_fraction, margins_at,
 )
 
-from planted import REGIONS, SUFFIXES, TOKEN_ID, planted_examples
+from planted import REGIONS, TOKEN_ID, planted_examples
 
 
 def char_tokenizer(tmp_path):
@@ -43,8 +43,10 @@ def test_multi_token_codes_use_the_first_differing_token(tmp_path):
     text = prompt + output
     start = text.rindex("I21")
     example = {"prompt": prompt, "output": output, "events": [
-        {"kind": "region", "start": start, "end": start + 3, "chosen": "I21", "contrast": "I25", "mention": 1},
-        {"kind": "within", "start": start + 3, "end": start + 5, "chosen": ".4", "contrast": ".3", "mention": 1},
+        {"kind": "region", "start": start, "end": start + 3, "chosen": "I21", "contrast": "I25", "mention": 1,
+         "region": "I21"},
+        {"kind": "within", "start": start + 3, "end": start + 5, "chosen": ".4", "contrast": ".3", "mention": 1,
+         "region": "I21"},
     ]}
     encoded = events_from_spans(example, tokenizer, example_id=0)
     region, within = encoded.events
@@ -64,9 +66,12 @@ def test_bad_spans_are_rejected(planted):
     same = dict(example, events=[dict(example["events"][0], contrast=example["events"][0]["chosen"])])
     with pytest.raises(ValueError, match="tokenize identically"):
         events_from_spans(same, tokenizer, 0)
+    # kinds are data: a task's own kind is accepted, the reserved null kind and a nameless one are not
     kind = dict(example, events=[dict(example["events"][0], kind="chapter")])
-    with pytest.raises(ValueError, match="unknown event kind"):
-        events_from_spans(kind, tokenizer, 0)
+    assert events_from_spans(kind, tokenizer, 0).events[0].kind == "chapter"
+    for reserved in ("null", ""):
+        with pytest.raises(ValueError, match="event kind must be a non-empty name other than 'null'"):
+            events_from_spans(dict(example, events=[dict(example["events"][0], kind=reserved)]), tokenizer, 0)
 
 
 def test_margins_are_batched_and_exact(planted, planted_data):

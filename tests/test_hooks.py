@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mistill_lens.lens.events import decision_margins
+from mistill_lens.lens.events import decision_margins, position_class_names
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks, all_heads, attribution_scores, collect_z, compute_head_means, event_position_classes,
     gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
@@ -14,7 +14,8 @@ from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, W
 @pytest.fixture(scope="module")
 def random_setup(random_bridge, planted_data):
     reference = planted_data["reference_batch"]
-    means = compute_head_means(random_bridge, reference.tokens, event_position_classes(reference))
+    means = compute_head_means(random_bridge, reference.tokens, event_position_classes(reference),
+                               position_class_names(reference.kinds))
     return random_bridge, planted_data["batch"], means
 
 
@@ -91,7 +92,7 @@ def test_hooks_compose_in_either_order_where_they_commute(random_setup):
         logits_with(model, batch.tokens, mean_ablation_hooks(model, others[::-1], means, classes)), atol=1e-6, rtol=0)
 
 
-def test_bad_input_gives_clear_errors(random_setup):
+def test_bad_input_gives_clear_errors(random_setup, planted_data):
     model, batch, means = random_setup
     classes = event_position_classes(batch)
     with pytest.raises(KeyError, match="unknown hook name"):
@@ -109,8 +110,11 @@ def test_bad_input_gives_clear_errors(random_setup):
     with pytest.raises(IndexError, match="outside"):
         run_margins(model, batch, knock_in_hooks(model, [(0, 0)], torch.zeros(3, len(batch), 4, 8),
                                                  batch.predict_positions + 100))
+    reference = planted_data["reference_batch"]
+    names = ("region", "within", "near_miss", "null")  # near_miss: a class none of the reference positions has
+    with_empty = compute_head_means(model, reference.tokens, event_position_classes(reference, names), names)
     with pytest.raises(ValueError, match="no reference positions"):
-        mean_ablation_hooks(model, [(0, 0)], means, torch.full_like(classes, 2))  # near_miss: none in reference
+        mean_ablation_hooks(model, [(0, 0)], with_empty, torch.full_like(classes, 2))
 
 
 def test_attribution_matches_a_finite_difference(random_setup):

@@ -1,6 +1,5 @@
 """Checkpoints: exact save/load, clear errors for corrupt or mismatched folders, bridging."""
 
-import shutil
 
 import pytest
 import torch

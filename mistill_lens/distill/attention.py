@@ -22,7 +22,7 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.distill.align import require_offsets, transfer_mass
-from mistill_lens.lens.events import EVENT_KINDS, EncodedExample, events_from_spans
+from mistill_lens.lens.events import EncodedExample, events_from_spans
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
 from mistill_lens.training.loop import collate, encode
 
@@ -39,9 +39,11 @@ def read_heads_json(path: str | Path) -> dict[str, list[Head]]:
     return {kind: [(int(e["layer"]), int(e["head"])) for e in entries] for kind, entries in data.items()}
 
 
-def teacher_head_sets(circuits: Mapping[str, Sequence[Head]], kinds: Sequence[str] = EVENT_KINDS) -> dict[str, list[Head]]:
-    """The head set whose attention is pooled for each event kind: the kind's own circuit, or the
-    global circuit ("all") for a kind whose own circuit is empty."""
+def teacher_head_sets(circuits: Mapping[str, Sequence[Head]], kinds: Sequence[str] | None = None) -> dict[str, list[Head]]:
+    """The head set whose attention is pooled for each event kind (default: every kind the
+    characterisation calibrated): the kind's own circuit, or the global circuit ("all") for a kind
+    whose own circuit is empty."""
+    kinds = [k for k in circuits if k != "all"] if kinds is None else kinds
     fallback = list(circuits.get("all", []))
     sets = {kind: list(circuits.get(kind, [])) or fallback for kind in kinds}
     empty = [kind for kind, heads in sets.items() if not heads]

@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 
 from mistill_lens import task
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.lens.characterize import CharacterizeConfig
+from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate
 from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 
@@ -72,14 +73,13 @@ def evaluate_run(
     heldout = task.generate_examples(n_eval, seed, "heldout", **task_config)
     scores, _ = evaluate(model, tokenizer, heldout, task_config["universe_size"], progress=progress)
     bridge, tokenizer = load_model(run_dir)
-    examples = task.generate_examples(n_characterize, seed + 1, "heldout", **task_config)
-    reference = task.generate_examples(n_characterize, seed + 2, "heldout", **task_config)
+    examples, reference = task_examples(n_characterize, seed + 1, "heldout", task_config)
     # The characterisation folder is this run's own: after more training its sweeps are stale and redone.
     config = replace(characterize_config or CharacterizeConfig(seed=seed, progress=progress), stale="recompute")
     result = {"run": str(run_dir), **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
               "n_eval": n_eval, "n_characterize": n_characterize, "z_min": config.z_min}
     try:
-        summary = characterize(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
+        summary = characterize_task(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
         result.update(causal_recovery(summary), causal_recovery_median=median_recovery(run_dir / "characterization"),
                       circuit=summary["circuit"], warnings=summary["warnings"])
     except ValueError as err:  # e.g. the student decides no gold event its way

@@ -25,7 +25,9 @@ def null_events(
     examples: Sequence[EncodedExample], events: Sequence[DecisionEvent], per_event: int = 1, seed: int = 0
 ) -> list[DecisionEvent]:
     """`per_event` null events per real event, drawn from the output positions of the same example
-    that are not decision tokens, with contrasts shuffled among the null events."""
+    that are not decision tokens, with contrasts shuffled among the null events. Where the output
+    is too short for that (a short-answer task: one or two output tokens), the non-decision
+    positions of the whole text are drawn from instead, prompt included."""
     rng = random.Random(seed)
     by_id = {example.example_id: example for example in examples}
     drawn: list[tuple[int, int]] = []
@@ -33,8 +35,10 @@ def null_events(
         example = by_id[event.example_id]
         decided = {e.position for e in example.events}
         eligible = [p for p in range(max(1, example.prompt_tokens), len(example.tokens)) if p not in decided]
+        if len(eligible) < per_event:  # a short answer: non-decision positions anywhere in the text
+            eligible = [p for p in range(1, len(example.tokens)) if p not in decided]
         if len(eligible) < per_event:
-            raise ValueError(f"example {example.example_id} has {len(eligible)} non-decision output positions, {per_event} needed")
+            raise ValueError(f"example {example.example_id} has {len(eligible)} non-decision positions, {per_event} needed")
         drawn += [(example.example_id, p) for p in rng.sample(eligible, per_event)]
     chosen = [by_id[i].tokens[p] for i, p in drawn]
     if len(set(chosen)) < 2:

@@ -13,11 +13,8 @@ Files written to the output folder: `sweep.csv`, `sweep_null.csv` (resumable), `
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 import shutil
-import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +72,8 @@ class CharacterizeConfig:
     stale: str = "error"
     # Fewer decided events of a kind than this: its measures are reported with a warning.
     min_events_per_kind: int = 5
+    # The event kind whose early readout is measured (the ICD task: "region"); None skips it.
+    elicitation_kind: str | None = None
 
     def __post_init__(self):
         check_options(self, seed=options.seed, null_per_event=options.positive, attribution_batch_size=options.positive,
@@ -82,12 +81,6 @@ class CharacterizeConfig:
                       min_events_per_kind=options.non_negative)
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
-
-
-def task_near_miss(example: Any, event: DecisionEvent) -> str | None:
-    """The near-miss code named for this event's mention, for task examples that record mentions."""
-    mentions = getattr(example, "mentions", None)
-    return mentions[event.mention].near_miss if mentions and 0 <= event.mention < len(mentions) else None
 
 
 def encode(examples: Sequence[Any], tokenizer, first_id: int = 0) -> list[EncodedExample]:
@@ -142,14 +135,15 @@ def characterize(
     out_dir: Path,
     config: CharacterizeConfig = CharacterizeConfig(),
     region_candidates: Sequence[int] | None = None,
-    near_miss_text: Callable[[Any, DecisionEvent], str | None] = task_near_miss,
+    near_miss_text: Callable[[Any, DecisionEvent], str | None] | None = None,
     provenance: Mapping[str, Any] | None = None,
 ) -> dict:
     """Run the whole characterisation and write its files to `out_dir`; returns the summary.
 
     `examples` / `reference_examples` carry `prompt`, `output` and gold `events`; means come from
     the reference runs. `region_candidates` (token ids) default to every token chosen or
-    contrasted at a region event here. `provenance` (e.g. the command) is stored in the summary.
+    contrasted at a region event here. `provenance` (e.g. the command) is stored in the summary
+    (its `warnings`, if any, join the pipeline's).
     """
     if not examples:
         raise ValueError("no examples to characterise: give at least one example with decision events")
@@ -167,7 +161,9 @@ def characterize(
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     summary["config"] = asdict(config)
-    summary.update(provenance or {})
+    extra = dict(provenance or {})
+    summary["warnings"].extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
+    summary.update(extra)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -262,7 +258,8 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
     summary.update(per_kind)  # per kind at the top level: summary["region"]["necessity"]
 
     by_id = {x.example_id: x for x in encoded}
-    targets = [family_targets(by_id[e.example_id], e, near_miss_text(examples[e.example_id], e)) for e in batch.events]
+    targets = [family_targets(by_id[e.example_id], e, near_miss_text(examples[e.example_id], e) if near_miss_text else None)
+               for e in batch.events]
     families_table = pd.DataFrame()
     if targets:
         masses = {family: attention_mass(model, batch, [t[family] for t in targets]) for family in targets[0]}
@@ -274,11 +271,10 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
         summary["families"] = {f"L{l}H{h}/{k}": fam for k, l, h, fam in
                                zip(in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family)}
 
-    summary["elicitation"], elicitation = _elicitation(model, batch, circuits.get("region", []), region_candidates,
-                                                       config)
+    summary["elicitation"], elicitation = _elicitation(model, batch, circuits, region_candidates, config)
     if elicitation is not None:
         elicitation.to_csv(out_dir / "elicitation.csv", index=False)
-    else:
+    elif config.elicitation_kind is not None:
         warned.append(f"early elicitation skipped: {summary['elicitation']['skipped']}")
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
@@ -295,13 +291,17 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
     return summary
 
 
-def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candidates,
+def _elicitation(model, batch: EventBatch, circuits: Mapping[str, list[Head]], region_candidates,
                  config: CharacterizeConfig) -> tuple[dict, pd.DataFrame | None]:
-    """Readout summary (lead in tokens, the early head set vs the late region-circuit set) and the
-    readout curve; the curve is None when elicitation was skipped."""
-    regions = batch.of_kind("region") if "region" in batch.kinds else None
+    """Readout summary of `config.elicitation_kind` events (lead in tokens, the early head set vs
+    the late set, that kind's circuit) and the readout curve; the curve is None when skipped."""
+    kind = config.elicitation_kind
+    if kind is None:
+        return {"skipped": "no elicitation_kind configured"}, None
+    late_heads = circuits.get(kind, [])
+    regions = batch.of_kind(kind) if kind in batch.kinds else None
     if regions is None or len({e.example_id for e in regions.events}) < 4:
-        return {"skipped": "fewer than 4 examples with a decided region event"}, None
+        return {"skipped": f"fewer than 4 examples with a decided {kind} event"}, None
     candidates = region_candidates or sorted({int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]})
     curve = elicitation_curve(model, regions, candidates, config.ks, seed=config.seed)
     lead = {method: elicitation_lead(curve, method, config.elicitation_threshold) for method in ("probe", "logit_lens")}
@@ -322,26 +322,3 @@ def _elicitation(model, batch: EventBatch, late_heads: list[Head], region_candid
         "early_mean_layer": sum(l for l, _ in early) / len(early) if early else None,
         "late_mean_layer": sum(l for l, _ in late_heads) / len(late_heads) if late_heads else None,
     }, curve
-
-
-# --- command line ------------------------------------------------------------------------------
-
-
-def run_characterize(args: argparse.Namespace, task_config: Mapping[str, Any] | None = None) -> dict:
-    """The `characterize` command: load the model and task examples, run `characterize`, print the summary."""
-    from mistill_lens import task
-    from mistill_lens.models.checkpoints import load_model
-
-    bridge, tokenizer = load_model(args.model)
-    task_config = dict(task_config or {})
-    examples = task.generate_examples(args.n, args.seed, args.split, **task_config)
-    # reference runs for the means: a different seed of the same split, so no example is reused
-    reference = task.generate_examples(args.n_reference or args.n, args.seed + 1, args.split, **task_config)
-    config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
-                                sweep_top=args.sweep_top, progress=not args.no_progress,
-                                stale="recompute" if args.recompute else "error")
-    provenance = {"command": "mistill-lens " + shlex.join(sys.argv[1:]), "model": str(args.model),
-                  "split": args.split, "task_config": task_config}
-    summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), config, provenance=provenance)
-    print(json.dumps({k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit")}))
-    return summary

@@ -138,10 +138,12 @@ def elicitation_curve(
     held_out_fraction: float = 0.3,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Readout accuracy of the region at r - k, per k and stage, on held-out examples:
-    columns k, stage, stage_name, method ("logit_lens" | "probe"), accuracy, chance, n_train, n_held_out."""
-    if any(kind != "region" for kind in batch.kinds):
-        raise ValueError("early elicitation reads region events only: pass batch.of_kind('region')")
+    """Readout accuracy of the decision (the ICD task: the region) at r - k, per k and stage, on
+    held-out examples: columns k, stage, stage_name, method ("logit_lens" | "probe"), accuracy,
+    chance, n_train, n_held_out. `batch` holds events of one kind (e.g. ``batch.of_kind("region")``)."""
+    if len(set(batch.kinds)) != 1:
+        raise ValueError(f"early elicitation reads events of one kind; this batch has {sorted(set(batch.kinds))}: "
+                         "pass batch.of_kind(KIND)")
     residuals = residuals_before(model, batch, ks)
     _, valid = early_positions(batch, ks)
     train = split_by_example([e.example_id for e in batch.events], held_out_fraction, seed)

@@ -13,16 +13,20 @@ backward pass give every event its own gradient.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-EVENT_KINDS: tuple[str, ...] = ("region", "within", "near_miss")
-NULL_KIND = "null"
-POSITION_CLASSES: tuple[str, ...] = (*EVENT_KINDS, NULL_KIND)
+NULL_KIND = "null"  # the kind of null events (calibration); event kinds are otherwise the data's own
+
+
+def position_class_names(kinds: Sequence[str]) -> tuple[str, ...]:
+    """Canonical position classes of a set of event kinds: the kinds sorted, then the null class.
+    The same kinds give the same classes in any order, so means and interventions agree."""
+    return (*sorted(set(kinds) - {NULL_KIND}), NULL_KIND)
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,10 @@ class DecisionEvent:
     """One decision: at token `position` the model emits `chosen_token` instead of the contrast.
 
     `position` indexes the decided token in the example's tokens; the logits that decide it sit at
-    `predict_position` (the position before). `region` is the text of the region this decision
-    belongs to (for a within event "I21"), used to find that region's candidate-list entries.
+    `predict_position` (the position before). `region` (optional) is text whose occurrences in the
+    prompt are this decision's candidate region (for the ICD task, "I21" for every decision about
+    an I21 code), used to find that region's candidate-list entries; `mention` (optional, -1 when
+    absent) lets a task find what the event refers to.
     """
 
     example_id: int
@@ -43,7 +49,7 @@ class DecisionEvent:
     contrast: str = ""
     char_start: int = -1
     char_end: int = -1
-    mention: int = 0
+    mention: int = -1
     region: str = ""
 
     @property
@@ -96,24 +102,21 @@ def _departure_token(tokenizer, text: str, start: int, chosen: str, contrast: st
     )
 
 
-def _region_of(event: Any, events: Sequence[Any]) -> str:
-    """The region text a decision belongs to: itself for a region event, else the region event that
-    ends where this one starts (or, failing that, the last region event before it)."""
-    if _field(event, "kind") == "region":
-        return _field(event, "chosen")
-    start = _field(event, "start")
-    regions = [e for e in events if _field(e, "kind") == "region" and _field(e, "end") <= start]
-    if not regions:
-        return ""
-    adjacent = [e for e in regions if _field(e, "end") == start]
-    return _field((adjacent or regions)[-1], "chosen")
+def _optional(obj: Any, name: str, default: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
 
 
 def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExample:
-    """Place the task's gold events (character spans into `prompt + output`) on `tokenizer`'s tokens.
+    """Place an example's gold events (character spans into `prompt + output`) on `tokenizer`'s tokens.
 
-    `example` has `prompt`, `output` and `events` (each with `kind`, `start`, `end`, `chosen`,
-    `contrast`, `mention`), as dicts or attributes.
+    `example` has `prompt`, `output` and `events`, as dicts or attributes. Each event has `kind`
+    (any name: kinds are data), `start`, `end` (its span in ``prompt + output``), `chosen` (the
+    text of that span) and `contrast` (the competing text at the same place), and optionally
+    `mention` (an index the task uses to find what the event refers to; default -1) and `region`
+    (text whose occurrences in the prompt are the decision's candidate region, for head
+    families; default "").
     """
     prompt, output = _field(example, "prompt"), _field(example, "output")
     text = prompt + output
@@ -123,8 +126,8 @@ def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExampl
     for gold in gold_events:
         kind, start, end = _field(gold, "kind"), _field(gold, "start"), _field(gold, "end")
         chosen, contrast = _field(gold, "chosen"), _field(gold, "contrast")
-        if kind not in EVENT_KINDS:
-            raise ValueError(f"unknown event kind {kind!r}; expected one of {EVENT_KINDS}")
+        if not isinstance(kind, str) or not kind or kind == NULL_KIND:
+            raise ValueError(f"event kind must be a non-empty name other than {NULL_KIND!r}, got {kind!r}")
         if not (0 <= start < end <= len(text)) or text[start:end] != chosen:
             raise ValueError(
                 f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
@@ -141,8 +144,8 @@ def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExampl
         events.append(DecisionEvent(
             example_id=example_id, kind=kind, position=index, chosen_token=chosen_token,
             contrast_tokens=(contrast_token,), chosen=chosen, contrast=contrast,
-            char_start=start, char_end=end, mention=int(_field(gold, "mention")),
-            region=_region_of(gold, gold_events),
+            char_start=start, char_end=end, mention=int(_optional(gold, "mention", -1)),
+            region=str(_optional(gold, "region", "")),
         ))
     return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
 
@@ -292,10 +295,6 @@ def make_event_batch(
     predict = torch.tensor([event.predict_position for event in chosen_events])
     chosen = torch.tensor([event.chosen_token for event in chosen_events])
     return EventBatch(tokens, predict, chosen, contrast, chosen_events)
-
-
-def with_contrast(event: DecisionEvent, contrast_token: int, contrast: str = "") -> DecisionEvent:
-    return replace(event, contrast_tokens=(contrast_token,), contrast=contrast)
 
 
 def margins_at(

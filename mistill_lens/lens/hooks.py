@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.lens.events import EventBatch, POSITION_CLASSES, decision_margins
+from mistill_lens.lens.events import EventBatch, decision_margins, position_class_names
 
 Head = tuple[int, int]
 HookFn = Callable[[Tensor, object], Tensor]
@@ -124,11 +124,17 @@ def collect_z(model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[Hoo
     return torch.stack([store[name] for name in names])
 
 
-def event_position_classes(batch: EventBatch, class_names: Sequence[str] = POSITION_CLASSES) -> Int[Tensor, "event pos"]:
-    """Class index of each row's predicting position (its event kind); -1 everywhere else."""
+def event_position_classes(batch: EventBatch, class_names: Sequence[str] | None = None) -> Int[Tensor, "event pos"]:
+    """Class index of each row's predicting position (its event kind's index in `class_names`;
+    default: `position_class_names` of the batch's kinds); -1 everywhere else. Pass the names of
+    the means you intervene with (`means.class_names`) when the batch may lack some of their kinds."""
+    names = list(position_class_names(batch.kinds) if class_names is None else class_names)
+    missing = sorted(set(batch.kinds) - set(names))
+    if missing:
+        raise KeyError(f"event kinds {missing} have no position class among {names}")
     classes = torch.full(batch.tokens.shape, -1, dtype=torch.long)
     rows = torch.arange(len(batch))
-    classes[rows, batch.predict_positions] = torch.tensor([list(class_names).index(k) for k in batch.kinds])
+    classes[rows, batch.predict_positions] = torch.tensor([names.index(k) for k in batch.kinds])
     return classes
 
 
@@ -136,12 +142,15 @@ def compute_head_means(
     model,
     tokens: Int[Tensor, "batch pos"],
     position_class: Int[Tensor, "batch pos"],
-    class_names: Sequence[str] = POSITION_CLASSES,
+    class_names: Sequence[str],
     batch_size: int = 64,
 ) -> HeadMeans:
-    """Exact per-class means of hook_z over the positions of real reference runs (-1 = unused)."""
+    """Exact per-class means of hook_z over the positions of real reference runs (-1 = unused);
+    `position_class` indexes `class_names`."""
     if tokens.shape != position_class.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and position classes {tuple(position_class.shape)} differ")
+    if int(position_class.max()) >= len(class_names):
+        raise IndexError(f"position class {int(position_class.max())} has no name among {list(class_names)}")
     n_layers, n_heads = n_layers_heads(model)
     sums = None
     counts = torch.zeros(len(class_names), dtype=torch.long)
@@ -157,9 +166,11 @@ def compute_head_means(
     return HeadMeans(tuple(class_names), means.to(torch.float32), counts)
 
 
-def means_from_events(model, batch: EventBatch, class_names: Sequence[str] = POSITION_CLASSES) -> HeadMeans:
-    """Reference means at the predicting positions of `batch`'s events, one class per event kind."""
-    return compute_head_means(model, batch.tokens, event_position_classes(batch, class_names), class_names)
+def means_from_events(model, batch: EventBatch, class_names: Sequence[str] | None = None) -> HeadMeans:
+    """Reference means at the predicting positions of `batch`'s events, one class per event kind
+    (default classes: `position_class_names` of the batch's kinds)."""
+    names = position_class_names(batch.kinds) if class_names is None else tuple(class_names)
+    return compute_head_means(model, batch.tokens, event_position_classes(batch, names), names)
 
 
 # --- mean ablation ---------------------------------------------------------------------------

@@ -72,7 +72,8 @@ _TRACE_LINE_RE = re.compile(
 
 @dataclass(frozen=True)
 class Event:
-    """A gold decision: ``text[start:end] == chosen`` where ``text = prompt + output``."""
+    """A gold decision: ``text[start:end] == chosen`` where ``text = prompt + output``; `region`
+    is the ICD category the decision is about (its candidates are that region's lines)."""
 
     kind: str
     start: int
@@ -80,6 +81,7 @@ class Event:
     chosen: str
     contrast: str
     mention: int
+    region: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,13 @@ class Example:
             events=tuple(Event(**e) for e in row["events"]),
             negated_codes=tuple(row.get("negated_codes", ())),
         )
+
+
+def near_miss_named(example: "Example", event) -> str | None:
+    """The near-miss code named for an event's mention (the ICD task's reader for the
+    near-miss head family); None for an event outside the example's mentions."""
+    mentions = getattr(example, "mentions", None)
+    return mentions[event.mention].near_miss if mentions and 0 <= event.mention < len(mentions) else None
 
 
 def mention_wording(description: str) -> str:
@@ -257,14 +266,15 @@ def build_example(
         suffix_start = code_start + len(region)
         region_contrast = region_of(_first_in(candidates, [c for c in candidates if region_of(c) != region]))
         within_rival = _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss]) or near_miss
-        events.append(Event("region", region_start, region_start + len(region), region, region_contrast, index))
+        events.append(Event("region", region_start, region_start + len(region), region, region_contrast, index, region))
         events.append(Event("within", suffix_start, suffix_start + len(suffix_of(code)), suffix_of(code),
-                            suffix_of(within_rival), index))
+                            suffix_of(within_rival), index, region))
         if relation == "sibling":
             events.append(Event("near_miss", suffix_start, suffix_start + len(suffix_of(code)), suffix_of(code),
-                                suffix_of(near_miss), index))
+                                suffix_of(near_miss), index, region))
         else:
-            events.append(Event("near_miss", code_start, code_start + len(region), region, region_of(near_miss), index))
+            events.append(Event("near_miss", code_start, code_start + len(region), region, region_of(near_miss), index,
+                                region))
         mentions.append(Mention(mention_wording(universe.description[code]), code, near_miss, relation))
         output += line
     output += CODES_HEADER + ", ".join(ordered_gold) + "\n"

@@ -20,9 +20,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from mistill_lens.lens.events import EVENT_KINDS, events_from_spans
+from mistill_lens.lens.events import events_from_spans
 from mistill_lens.task.icd import Universe, load_universe
-from mistill_lens.task.examples import Example, parse_output
+from mistill_lens.task.examples import EVENT_KINDS, Example, parse_output
 
 MAX_NEW_TOKENS = 400
 

@@ -24,15 +24,11 @@ bridge's greedy tokens, at the cost of about two forwards instead of one per new
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import re
-import shlex
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping, Sequence
+from typing import Collection, Sequence
 
 import torch
 from jaxtyping import Float, Int
@@ -157,10 +153,10 @@ def verified_greedy(
         tokens = torch.cat([tokens[:, :n_prompt + first], greedy[first].view(1, 1)], dim=1)
 
 
-def _departure(tokenizer, prompt: str, output: str, kind: str, start: int, chosen: str, contrast: str):
+def _departure(tokenizer, prompt: str, output: str, kind: str, start: int, chosen: str, contrast: str, region: str):
     """The pipeline's placement of one candidate event (None where chosen and contrast tokenize
     the same after the prefix)."""
-    event = task.Event(kind, start, start + len(chosen), chosen, contrast, 0)
+    event = task.Event(kind, start, start + len(chosen), chosen, contrast, 0, region)
     try:
         encoded = events_from_spans({"prompt": prompt, "output": output, "events": [event]}, tokenizer, 0)
     except ValueError:
@@ -170,12 +166,12 @@ def _departure(tokenizer, prompt: str, output: str, kind: str, start: int, chose
 
 def strongest_contrast_event(
     tokenizer, logits: Float[Tensor, "pos vocab"], prompt: str, output: str, kind: str, start: int, chosen: str,
-    contrasts: Sequence[str],
+    contrasts: Sequence[str], region: str = "",
 ) -> task.Event | None:
     """The event against the contrast with the smallest margin at its departure token."""
     scored = []
     for contrast in dict.fromkeys(c for c in contrasts if c != chosen):
-        placed = _departure(tokenizer, prompt, output, kind, start, chosen, contrast)
+        placed = _departure(tokenizer, prompt, output, kind, start, chosen, contrast, region)
         if placed is None:
             continue
         event, decision = placed
@@ -195,11 +191,11 @@ def answer_events(
     start = len(prompt) + offset
     region = region_of(code)
     events = [strongest_contrast_event(tokenizer, logits, prompt, output, "region", start, region,
-                                       [region_of(c) for c in candidates])]
+                                       [region_of(c) for c in candidates], region)]
     if "." in code:
         rivals = [suffix_of(c) for c in candidates if region_of(c) == region and c != code]
         events.append(strongest_contrast_event(tokenizer, logits, prompt, output, "within", start + len(region),
-                                               suffix_of(code), rivals))
+                                               suffix_of(code), rivals, region))
     return code, tuple(e for e in events if e is not None)
 
 
@@ -245,50 +241,3 @@ def load_smollm2_with_draft(gguf_path: str | Path | None = None):
     hf_model, tokenizer = load_gguf_hf_model(path)
     draft = copy.deepcopy(hf_model)
     return bridge_hf_model(hf_model, tokenizer, path.stem), tokenizer, draft
-
-
-# --- command line ------------------------------------------------------------------------------
-
-
-def write_generations(examples: Sequence[ZeroShotExample], path: Path) -> None:
-    rows = [{**asdict(e), "correct": e.correct, "region_correct": e.region_correct} for e in examples]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-def run_characterize_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
-    """``characterize --model smollm2``: zero-shot replies of SmolLM2 to task examples (and to
-    separate reference examples for the means), then the same pipeline as ``--model default``."""
-    from mistill_lens.lens.characterize import CharacterizeConfig, characterize, claim_characterize_dir
-
-    out_dir = claim_characterize_dir(args.out)
-    bridge, tokenizer, draft = load_smollm2_with_draft()
-    examples = task.generate_examples(args.n, args.seed, args.split, **task_config)
-    n_reference = args.n_reference or max(args.n, SMOLLM2_MIN_REFERENCE)
-    reference = task.generate_examples(n_reference, args.seed + 1, args.split, **task_config)
-    analysed = zero_shot_examples(bridge, tokenizer, examples, draft)
-    references = zero_shot_examples(bridge, tokenizer, reference, draft)
-    del draft  # generation is done; the pipeline only needs the bridge
-    write_generations(analysed, out_dir / "generations.jsonl")
-    write_generations(references, out_dir / "reference_generations.jsonl")
-    scored = accuracy(analysed)
-    print(json.dumps({"zero_shot": scored}))
-    reference_with_events = [e for e in references if e.events]
-    # mean-ablation needs a reference mean for every event kind it ablates at
-    reference_kinds = {event.kind for e in reference_with_events for event in e.events}
-    with_events = [replace(e, events=tuple(v for v in e.events if v.kind in reference_kinds)) for e in analysed]
-    with_events = [e for e in with_events if e.events]
-    if not with_events or not reference_with_events:
-        raise ValueError(f"SmolLM2 wrote no parsable code in {'the analysed' if not with_events else 'the reference'} "
-                         "examples: nothing to characterise (see generations.jsonl)")
-    config = CharacterizeConfig(
-        seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event, progress=not args.no_progress,
-        stale="recompute" if args.recompute else "error",
-        sweep_top=args.sweep_top if args.sweep_top is not None else SMOLLM2_DEFAULT_SWEEP_TOP,
-        curve_points=SMOLLM2_CURVE_POINTS,
-    )
-    provenance = {"command": "mistill-lens " + shlex.join(sys.argv[1:]), "model": "smollm2",
-                  "gguf": str(find_smollm2_gguf()), "split": args.split, "task_config": dict(task_config),
-                  "zero_shot": {**scored, "answer_prefix": ANSWER_PREFIX, "system_message": SYSTEM_MESSAGE}}
-    summary = characterize(bridge, tokenizer, with_events, reference_with_events, out_dir, config, provenance=provenance)
-    print(json.dumps({k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit")}))
-    return summary

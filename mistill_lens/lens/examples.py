@@ -1,0 +1,104 @@
+"""Your own task: examples as JSONL, one object per line, nothing task-specific required.
+
+Format (one line per example)::
+
+    {"prompt": "...", "output": "...",
+     "events": [{"kind": "answer", "start": 57, "end": 60, "chosen": "yes", "contrast": "no"}, ...]}
+
+* ``prompt`` and ``output`` are strings; the model reads ``prompt + output``.
+* each event is a decision: ``kind`` is any name (kinds are data; ``null`` is reserved for null
+  events), ``start`` / ``end`` are character offsets into ``prompt + output`` with
+  ``(prompt + output)[start:end] == chosen``, and ``contrast`` is the competing text that could
+  stand at ``start`` instead. The decision sits at the first token where the two differ.
+* optional per event: ``region`` (text whose occurrences in the prompt are the decision's
+  candidates, for head families) and ``mention`` (an integer index for task readers).
+* optional per example: ``id`` (any JSON value), kept for reference.
+
+``mistill-lens data`` writes the ICD task's examples in a superset of this format, so its files
+read here too.
+
+Short outputs are fine: null events then come from the whole text (see
+:func:`mistill_lens.lens.calibration.null_events`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REQUIRED_EVENT_FIELDS = ("kind", "start", "end", "chosen", "contrast")
+
+
+@dataclass(frozen=True)
+class SpanEvent:
+    kind: str
+    start: int
+    end: int
+    chosen: str
+    contrast: str
+    region: str = ""
+    mention: int = -1
+
+
+@dataclass(frozen=True)
+class SpanExample:
+    prompt: str
+    output: str
+    events: tuple[SpanEvent, ...]
+    id: Any = None
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.output
+
+
+def _example(row: Any) -> SpanExample:
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    for name in ("prompt", "output", "events"):
+        if name not in row:
+            raise ValueError(f"missing field {name!r}")
+    if not isinstance(row["prompt"], str) or not isinstance(row["output"], str):
+        raise ValueError("prompt and output must be strings")
+    if not isinstance(row["events"], list):
+        raise ValueError("events must be a list")
+    text = row["prompt"] + row["output"]
+    events = []
+    for index, event in enumerate(row["events"]):
+        missing = [name for name in REQUIRED_EVENT_FIELDS if name not in event]
+        if missing:
+            raise ValueError(f"event {index} is missing field(s) {missing}")
+        start, end = event["start"], event["end"]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(text)):
+            raise ValueError(f"event {index}: span [{start}, {end}) is not inside prompt + output "
+                             f"({len(text)} characters)")
+        if text[start:end] != event["chosen"]:
+            raise ValueError(f"event {index}: (prompt + output)[{start}:{end}] is {text[start:end]!r}, "
+                             f"not its chosen text {event['chosen']!r}")
+        events.append(SpanEvent(str(event["kind"]), start, end, event["chosen"], event["contrast"],
+                                str(event.get("region", "")), int(event.get("mention", -1))))
+    return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"))
+
+
+def read_examples(path: str | Path) -> list[SpanExample]:
+    """Examples from a JSONL file in the format above; a bad line is an error naming the file, the
+    line number and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"examples file {path} does not exist")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                examples.append(_example(json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from err
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{path}, line {number}: {err}") from err
+    if not examples:
+        raise ValueError(f"examples file {path} holds no example")
+    return examples
