@@ -1,0 +1,51 @@
+"""mistill_lens: mechanistic interpretability of reasoning in large output spaces, on TransformerLens 4.
+
+The notebook surface, one import away::
+
+    import mistill_lens as ml
+    model, tokenizer = ml.load_model("default")            # the shipped teacher, as a TransformerBridge
+    encoded = [ml.events_from_spans(x, tokenizer, i) for i, x in enumerate(examples)]
+    batch = ml.make_event_batch(encoded)
+    hooks = ml.mean_ablation_hooks(model, [(3, 3)], means, ml.event_position_classes(batch, means.class_names))
+    ml.run_margins(model, batch, hooks)
+
+Names load lazily (importing the package stays cheap); ``dir(mistill_lens)`` lists them. The wings:
+``lens`` (task-free toolkit), ``models``, ``task`` (the ICD task), ``training``, ``distill``, ``cli``.
+"""
+
+from importlib import import_module
+
+_API = {
+    "mistill_lens.models.checkpoints": ("load_model", "load_hf_model", "to_bridge", "save_checkpoint", "CheckpointError"),
+    "mistill_lens.lens.events": ("DecisionEvent", "EncodedExample", "EventBatch", "events_from_spans",
+                                 "events_from_generation", "make_event_batch", "decision_margins", "margin_fraction",
+                                 "decided_rows", "position_class_names"),
+    "mistill_lens.lens.hooks": ("HeadMeans", "mean_ablation_hooks", "ablate_all_but_hooks", "knock_in_hooks",
+                                "gather_at_positions", "attribution_scores", "compute_head_means", "means_from_events",
+                                "event_position_classes", "collect_z", "run_margins", "all_heads", "validate_heads"),
+    "mistill_lens.lens.calibration": ("Calibration", "calibrate", "null_events"),
+    "mistill_lens.lens.sweep": ("ablation_sweep", "ablated_margins", "clean_margins", "effects_tensor"),
+    "mistill_lens.lens.circuits": ("select_circuit", "circuit_report", "CircuitReport", "necessity", "sufficiency",
+                                   "knock_in_transfer", "ablation_curve", "phase_structure", "family_targets",
+                                   "attention_mass", "head_families"),
+    "mistill_lens.lens.elicitation": ("elicitation_curve", "elicitation_lead", "carrying_heads", "top_heads"),
+    "mistill_lens.lens.characterize": ("characterize", "CharacterizeConfig"),
+    "mistill_lens.lens.examples": ("read_examples", "SpanExample", "SpanEvent"),
+    "mistill_lens.lens.plot": ("head_map_figure", "ablation_curve_figure", "attention_families_figure",
+                               "elicitation_figure", "write_figure"),
+    "mistill_lens.task.characterize": ("characterize_task", "task_examples"),
+}
+_WHERE = {name: module for module, names in _API.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mistill_lens' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

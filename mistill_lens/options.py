@@ -2,12 +2,12 @@
 
 Counts where zero means nothing (examples, steps, batch sizes) are at least 1; seeds are integers
 in ``0 .. SEED_MAX``; rates are positive. Configs call :func:`check_options` in
-``__post_init__``; the command line uses the argparse types built from the same checks.
+``__post_init__``; the command line's argparse types (:mod:`mistill_lens.cli.arguments`) are
+built from the same checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any, Callable
 
@@ -56,25 +56,3 @@ def check_options(obj: Any, **checks: Callable[[str, Any], Any]) -> None:
         value = getattr(obj, name)
         if value is not None:
             check(name, value)
-
-
-def cli_type(check: Callable[[str, Any], Any], parse: Callable[[str], Any] = int) -> Callable[[str], Any]:
-    """An argparse ``type=`` that parses the text and applies ``check`` (argparse then reports
-    ``mistill-lens CMD: error: argument --x: <message>`` and exits 2)."""
-    def convert(text: str) -> Any:
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if parse is int else 'a number'}, got {text!r}")
-        try:
-            return check("value", value)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from err
-    return convert
-
-
-POSITIVE_INT = cli_type(positive)
-NON_NEGATIVE_INT = cli_type(non_negative)
-SEED = cli_type(seed)
-POSITIVE_FLOAT = cli_type(positive_float, float)
-NON_NEGATIVE_FLOAT = cli_type(non_negative_float, float)

@@ -11,7 +11,7 @@ from transformer_lens import TransformerBridge
 from mistill_lens.lens.calibration import calibrate, null_events
 from mistill_lens.lens.events import events_from_spans, make_event_batch, position_class_names
 from mistill_lens.lens.hooks import compute_head_means, event_position_classes
-from mistill_lens.lens.sweep import head_ablation_effects
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
 from planted import VOCAB, planted_bridge, planted_examples
 
@@ -35,6 +35,12 @@ def random_bridge(planted):
     hf_model = GPT2LMHeadModel(config).eval()
     return TransformerBridge.boot_transformers("random-gpt2", hf_model=hf_model, tokenizer=tokenizer,
                                                device="cpu", dtype=torch.float32)
+
+
+def head_ablation_effects(model, batch, means):
+    """Exact margin drop of every event when each head alone is mean-ablated, as [event, layer, head]."""
+    table = ablation_sweep(model, batch, means, progress=False)
+    return effects_tensor(table, len(batch), model.cfg.n_layers, model.cfg.n_heads)
 
 
 def encode_all(tokenizer, examples, first_id=0):

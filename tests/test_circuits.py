@@ -5,7 +5,8 @@ from mistill_lens.lens.circuits import (
     ablation_curve, attention_mass, circuit_report, coverage, family_targets, head_families, knock_in_donors,
     knock_in_transfer, necessity, phase_structure, select_circuit, sufficiency,
 )
-from mistill_lens.lens.sweep import ablation_sweep, effects_tensor, head_ablation_effects
+from conftest import head_ablation_effects
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
 from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN
 from test_hooks import reference_frequencies

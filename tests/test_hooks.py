@@ -6,7 +6,7 @@ from mistill_lens.lens.hooks import (
     ablate_all_but_hooks, all_heads, attribution_scores, collect_z, compute_head_means, event_position_classes,
     gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
 )
-from mistill_lens.lens.sweep import head_ablation_effects
+from conftest import head_ablation_effects
 
 from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 

@@ -8,7 +8,8 @@ import shlex
 import sys
 import warnings
 
-from mistill_lens.options import POSITIVE_FLOAT, POSITIVE_INT, SEED, SEED_MAX
+from mistill_lens.cli.arguments import POSITIVE_FLOAT, POSITIVE_INT, SEED
+from mistill_lens.options import SEED_MAX
 
 SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
 

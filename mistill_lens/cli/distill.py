@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
-from mistill_lens.options import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED
+from mistill_lens.cli.arguments import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED
 
 TASK_KEYS = ("universe_size", "k", "max_mentions")
 

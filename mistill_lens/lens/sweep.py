@@ -146,10 +146,3 @@ def effects_tensor(table: pd.DataFrame, n_events: int, n_layers: int, n_heads: i
         torch.tensor(table["head"].to_numpy()),
     ] = torch.tensor(table[column].to_numpy(), dtype=torch.float32)
     return effects
-
-
-def head_ablation_effects(model, batch: EventBatch, means: HeadMeans, progress: bool = False) -> Float[Tensor, "event layer head"]:
-    """Exact margin drop of every event when each head alone is mean-ablated (no file)."""
-    table = ablation_sweep(model, batch, means, progress=progress)
-    return effects_tensor(table, len(batch), model.cfg.n_layers, model.cfg.n_heads)
-

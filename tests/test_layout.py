@@ -1,0 +1,83 @@
+"""The house: wings that import in one direction, a task-free lens, and the command line alone
+parsing arguments, printing and exiting."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "mistill_lens"
+WINGS = ("lens", "models", "task", "training", "distill", "cli")
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "mistill_lens" and parts[1] in WINGS else None
+
+
+def modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_lens_imports_no_task_cli_or_icd_code():
+    for path in (PACKAGE / "lens").rglob("*.py"):
+        for module in imported_modules(path):
+            assert wing_of(module) in (None, "lens"), f"{path.name} imports {module}"
+            assert not module.startswith("simple_icd_10_cm"), f"{path.name} imports the ICD data"
+
+
+def test_wings_have_no_import_cycle():
+    graph = {wing: set() for wing in WINGS}
+    for path in modules():
+        source = wing_of("mistill_lens." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+        for module in imported_modules(path):
+            target = wing_of(module)
+            if source and target and target != source:
+                graph[source].add(target)
+
+    def reaches(start, goal, seen=()):
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt))) for nxt in graph[start])
+
+    assert not [wing for wing in WINGS if reaches(wing, wing)], graph
+    assert "cli" not in set().union(*graph.values()), "nothing imports the command line"
+
+
+def test_only_the_command_line_parses_arguments_prints_or_exits():
+    for path in modules():
+        if path.relative_to(PACKAGE).parts[0] == "cli":
+            continue
+        tree = ast.parse(path.read_text())
+        assert "argparse" not in {m.split(".")[0] for m in imported_modules(path)}, path
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "print", f"print in {path}"
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                assert getattr(raised, "id", None) != "SystemExit", f"SystemExit in {path}"
+
+
+def test_loading_a_checkpoint_or_the_lens_does_not_import_the_task():
+    probe = ("import sys, mistill_lens.lens.characterize, mistill_lens.models.checkpoints, mistill_lens.models.students;"
+             "print(sorted(m for m in sys.modules if m.startswith(('mistill_lens.task', 'simple_icd_10_cm'))))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_public_api_resolves_lazily():
+    probe = ("import sys, mistill_lens as ml; heavy = 'torch' in sys.modules;"
+             "[getattr(ml, name) for name in ml.__all__]; print(heavy, len(ml.__all__))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    heavy, count = result.stdout.split()
+    assert heavy == "False" and int(count) > 40
