@@ -5,9 +5,10 @@ from transformers import PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import (
     candidate_token_ids, decided_rows, decision_margins, events_from_generation, events_from_spans,
-    greedy_generate, make_event_batch, margin_fraction, margins_at,
+    make_event_batch, margin_fraction, margins_at,
 )
 
+from mistill_lens.models.generate import greedy_tokens
 from planted import REGIONS, TOKEN_ID, planted_examples
 
 
@@ -116,7 +117,7 @@ def test_events_from_the_models_own_generation(planted):
     gold_region, gold_within = (e["chosen"] for e in example["events"])
     prompt_text = example["prompt"] + example["output"][: example["output"].index("=") + 1]
     prompt_ids = tokenizer(prompt_text)["input_ids"]
-    generated = greedy_generate(bridge, prompt_ids, max_new_tokens=2)
+    generated = greedy_tokens(bridge, torch.tensor([prompt_ids]), max_new_tokens=2)[0].tolist()
     output = " " + tokenizer.decode(generated[len(prompt_ids):])
     assert output.split() == [gold_region, gold_within]  # the planted heads decide correctly
 

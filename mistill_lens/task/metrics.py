@@ -21,34 +21,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import events_from_spans
+from mistill_lens.models.generate import greedy_text
 from mistill_lens.task.icd import Universe, load_universe
 from mistill_lens.task.examples import EVENT_KINDS, Example, parse_output
 
 MAX_NEW_TOKENS = 400
-
-
-@torch.no_grad()
-def greedy_generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompt: str, max_new_tokens: int = MAX_NEW_TOKENS
-) -> str:
-    """Greedy continuation of ``prompt`` with the Hugging Face model (KV cache), up to end-of-text.
-
-    Decoding runs on the plain HF model, not the bridge: TransformerLens 4.3's bridged
-    attention does not fill transformers' KV cache (see docs/transformerlens-4 notes).
-    """
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    room = model.config.max_position_embeddings - ids.shape[1]
-    if room <= 0:
-        raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the model's {room + ids.shape[1]}-token context")
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=min(max_new_tokens, room),
-        do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 @dataclass
@@ -110,7 +87,7 @@ def evaluate(
     scores = Scores()
     outputs = []
     for example in tqdm(examples, desc="evaluate", disable=not progress, file=sys.stderr):
-        generated = greedy_generate(model, tokenizer, example.prompt)
+        generated = greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS)
         scores.add(example, generated, universe)
         outputs.append(generated)
     return {**scores.as_dict(), "teacher_forced": teacher_forced_events(model, tokenizer, examples)}, outputs

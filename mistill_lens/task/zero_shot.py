@@ -28,17 +28,19 @@ import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Sequence
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mistill_lens import task
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.task.icd import region_of, suffix_of
-from mistill_lens.models.gguf import bridge_hf_model, chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
+from mistill_lens.models.checkpoints import to_bridge
+from mistill_lens.models.generate import verified_greedy
+from mistill_lens.models.gguf import chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
 
 SYSTEM_MESSAGE = "You are a clinical coder."
 QUESTION = "Which candidate code is the diagnosis in the note? Give its region (category), then the code."
@@ -113,44 +115,6 @@ def parse_answer(output: str) -> tuple[str, int] | None:
     """The code the reply starts with and its character offset in ``output`` (None if none)."""
     match = _ANSWER_RE.match(output)
     return (match["code"], match.start("code")) if match else None
-
-
-@torch.no_grad()
-def verified_greedy(
-    bridge,
-    prompt_ids: Int[Tensor, "1 prompt_pos"],
-    max_new_tokens: int,
-    stop_token_ids: Collection[int],
-    draft: PreTrainedModel | None = None,
-) -> tuple[Int[Tensor, "1 total_pos"], Float[Tensor, "total_pos vocab"]]:
-    """Greedy tokens of the bridge and the bridge's logits over them.
-
-    Without ``draft``: one full bridge forward per new token (no KV cache). With ``draft`` (a
-    transformers model with the same weights, not bridged): the draft proposes the continuation
-    with its KV cache, a bridge forward checks every proposed token against its own argmax, and
-    decoding resumes from the first disagreement with the bridge's token.
-    """
-    stops = set(stop_token_ids)
-    tokens = prompt_ids
-    n_prompt = prompt_ids.shape[1]
-    while True:
-        n_done = tokens.shape[1] - n_prompt
-        finished = n_done >= max_new_tokens or (n_done > 0 and int(tokens[0, -1]) in stops)
-        if not finished and draft is not None:
-            stop_list = sorted(stops) or None
-            tokens = draft.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
-                                    max_new_tokens=max_new_tokens - n_done, eos_token_id=stop_list,
-                                    pad_token_id=stop_list[0] if stop_list else None)
-        elif not finished:
-            tokens = torch.cat([tokens, bridge(tokens)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
-            continue
-        logits = bridge(tokens)[0]
-        greedy = logits[n_prompt - 1:-1].argmax(dim=-1)
-        disagree = (greedy != tokens[0, n_prompt:]).nonzero()
-        if len(disagree) == 0:
-            return tokens, logits
-        first = int(disagree[0])
-        tokens = torch.cat([tokens[:, :n_prompt + first], greedy[first].view(1, 1)], dim=1)
 
 
 def _departure(tokenizer, prompt: str, output: str, kind: str, start: int, chosen: str, contrast: str, region: str):
@@ -240,4 +204,4 @@ def load_smollm2_with_draft(gguf_path: str | Path | None = None):
     path = Path(find_smollm2_gguf() if gguf_path is None else gguf_path)
     hf_model, tokenizer = load_gguf_hf_model(path)
     draft = copy.deepcopy(hf_model)
-    return bridge_hf_model(hf_model, tokenizer, path.stem), tokenizer, draft
+    return to_bridge(hf_model, tokenizer, name=path.stem), tokenizer, draft
