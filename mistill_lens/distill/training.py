@@ -4,20 +4,18 @@ The CoT baseline is the same code with lambda = 0: the attention loss is still c
 logged, so both objectives report how far the student's attention is from the target) but
 weighted by zero, so data, order, seeds and updates are those of the CoT run exactly. The
 teacher is only read, under ``no_grad``, to build the targets before training starts.
-Resumable like :func:`mistill_lens.training.loop.train`: weights, optimizer state and step are written
-atomically every ``checkpoint_every`` steps and at the end; rerunning the same command resumes.
+It runs in the one training loop (:func:`mistill_lens.training.loop.run_steps`) and resumes like
+:func:`mistill_lens.training.loop.train`: weights, optimizer state and step are committed every
+``checkpoint_every`` steps and at the end; rerunning the same command resumes.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from mistill_lens import options, task
 from mistill_lens.options import check_options
@@ -33,7 +31,7 @@ from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
 from mistill_lens.lens.fingerprint import value_digest
 from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge, weights_digest
 from mistill_lens.training.loop import (
-    TRAINING_STATE_FILE, claim_checkpoint_dir, encode, learning_rate, load_training_state, output_loss,
+    TRAINING_STATE_FILE, claim_checkpoint_dir, encode, load_training_state, make_optimizer, output_loss, run_steps,
 )
 
 
@@ -245,7 +243,7 @@ def distill(
     items, too_long = distillation_items(examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind,
                                          context_length(student))
     parameters = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    optimizer = make_optimizer(config, parameters)
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
     n_events = sum(len(item.query_positions) for item in items)
@@ -264,7 +262,7 @@ def distill(
         run_warnings.append(f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
                             "were left out")
 
-    def checkpoint() -> dict:
+    def save(step: int, elapsed: float) -> dict:
         metadata = {
             "role": "student", "command": command, "config": asdict(config), "step": step,
             "n_params": n_params, "train_time_s": round(elapsed, 1),
@@ -287,31 +285,15 @@ def distill(
         save_checkpoint(exportable(student), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
         return metadata
 
-    metadata = None
-    bar = tqdm(total=config.steps, initial=step, desc=f"distill {config.family}/{config.objective}",
-               disable=not progress, file=sys.stderr)
-    while step < config.steps:
-        started = time.perf_counter()
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
         batch = collate_items([items[i] for i in batch_indices(step, config.batch_size, len(items), config.seed)],
                               tokenizer.pad_token_id)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
         cot, attention = student_losses(student, bridge, batch, heads, config.precision)
         loss = cot + config.effective_weight * attention
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"distillation loss became {loss.item()} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        step += 1
-        elapsed += time.perf_counter() - started
         has_events = bool(batch.event_mask.any())
         for name, value in (("loss", loss), ("cot", cot), ("attention", attention if has_events else None)):
             log[name].append(None if value is None else round(value.item(), 5))
-        bar.update(1)
-        bar.set_postfix(cot=f"{cot.item():.3f}", att=f"{attention.item():.3f}" if has_events else "-")
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            metadata = checkpoint()
-    bar.close()
-    return metadata if metadata is not None else checkpoint()
+        return loss, {"cot": f"{cot.item():.3f}", "att": f"{attention.item():.3f}" if has_events else "-"}
+
+    return run_steps(config, optimizer, parameters, step, elapsed, loss_at, save,
+                     desc=f"distill {config.family}/{config.objective}", progress=progress)

@@ -15,6 +15,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -168,6 +169,50 @@ def output_loss(
     return (per_token * token_weights).sum() / token_weights.sum()
 
 
+def make_optimizer(config, parameters: list[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, as every run here trains (betas 0.9 / 0.98)."""
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+
+
+def run_steps(
+    config,
+    optimizer: torch.optim.Optimizer,
+    parameters: list[torch.nn.Parameter],
+    step: int,
+    elapsed: float,
+    loss_at: Callable[[int], tuple[torch.Tensor, dict[str, str]]],
+    save: Callable[[int, float], dict],
+    *,
+    desc: str,
+    progress: bool = True,
+) -> dict:
+    """The one optimisation loop, from `step` to `config.steps`: learning-rate schedule, the loss
+    of the step (`loss_at(step)` returns it and what the progress bar shows), a NaN guard,
+    gradient clipping at 1, and a checkpoint (`save(step, elapsed)`, returning the metadata) every
+    `config.checkpoint_every` steps and at the end. Returns the last checkpoint's metadata."""
+    metadata = None
+    bar = tqdm(total=config.steps, initial=step, desc=desc, disable=not progress, file=sys.stderr)
+    while step < config.steps:
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        loss, shown = loss_at(step)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        step += 1
+        elapsed += time.perf_counter() - started
+        bar.update(1)
+        bar.set_postfix(**shown)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            metadata = save(step, elapsed)
+    bar.close()
+    return metadata if metadata is not None else save(step, elapsed)
+
+
 def learning_rate(config: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < config.warmup_steps:
@@ -287,8 +332,7 @@ def train(
     model.to(target)
     model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]  # a LoRA run trains its adapter only
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(0.9, 0.98))
+    optimizer = make_optimizer(config, parameters)
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         torch.set_rng_state(resumed[1]["torch_rng"])
@@ -299,7 +343,7 @@ def train(
     )
     n_params = sum(p.numel() for p in parameters)
 
-    def checkpoint() -> dict:
+    def save(step: int, elapsed: float) -> dict:
         metadata = {
             "role": config.role,
             "command": command,
@@ -315,17 +359,15 @@ def train(
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
         state = {
-            "config": asdict(config), "fingerprint": train_fingerprint(config, tokenizer), "step": step, "elapsed_s": elapsed, "losses": losses,
-            "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+            "config": asdict(config), "fingerprint": train_fingerprint(config, tokenizer), "step": step,
+            "elapsed_s": elapsed, "losses": losses, "optimizer": optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
         }
         save_checkpoint(model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
         model.to(target)
         return metadata
 
-    metadata = None
-    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.role if config.student is None else 'student ' + config.student}", disable=not progress, file=sys.stderr)
-    while step < config.steps:
-        started = time.perf_counter()
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
         examples = [next(stream) for _ in range(config.batch_size)]
         ids, attention, targets = (t.to(target) for t in collate(
             [encode(tokenizer, ex.prompt, ex.output) for ex in examples], tokenizer.pad_token_id))
@@ -336,21 +378,9 @@ def train(
                 mask = event_token_mask(tokenizer, ex)
                 is_event[row, : len(mask)] = torch.tensor(mask)
             weights = (1.0 + (config.event_weight - 1.0) * is_event.float()).to(target)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
         loss = output_loss(model, ids, attention, targets, weights)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss.item()} at step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        step += 1
-        elapsed += time.perf_counter() - started
         losses.append(round(loss.item(), 5))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            metadata = checkpoint()
-    bar.close()
-    return metadata if metadata is not None else checkpoint()
+        return loss, {"loss": f"{loss.item():.4f}"}
+
+    desc = f"train {config.role if config.student is None else 'student ' + config.student}"
+    return run_steps(config, optimizer, parameters, step, elapsed, loss_at, save, desc=desc, progress=progress)
