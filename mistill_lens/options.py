@@ -25,6 +25,7 @@ def at_least(minimum: int) -> Callable[[str, Any], int]:
         if _integer(name, value) < minimum:
             raise ValueError(f"{name} must be at least {minimum}, got {value}")
         return value
+
     return check
 
 
@@ -35,13 +36,23 @@ def seed(name: str, value: Any) -> int:
 
 
 def positive_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return float(value)
 
 
 def non_negative_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{name} must be a non-negative number, got {value!r}")
     return float(value)
 

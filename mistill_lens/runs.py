@@ -37,7 +37,9 @@ def _describe(entries: list[str], limit: int = 6) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-def claim_run_dir(path: str | Path, kind: str, recognise_legacy: Callable[[Path], bool] | None = None) -> Path:
+def claim_run_dir(
+    path: str | Path, kind: str, recognise_legacy: Callable[[Path], bool] | None = None
+) -> Path:
     """The folder ``path`` as a run folder of command ``kind``, created and marked if new or empty.
 
     An existing folder is accepted when its marker names the same ``kind`` (a rerun resumes), or,
@@ -46,14 +48,18 @@ def claim_run_dir(path: str | Path, kind: str, recognise_legacy: Callable[[Path]
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise OutputError(f"output folder {path} is an existing file; give a new or empty folder "
-                          f"(or a previous `{kind}` run's folder)")
+        raise OutputError(
+            f"output folder {path} is an existing file; give a new or empty folder "
+            f"(or a previous `{kind}` run's folder)"
+        )
     marker = path / MARKER_FILE
     if marker.is_file():
         recorded = _read_marker(marker)
         if recorded != kind:
-            raise OutputError(f"output folder {path} holds a `{recorded}` run, not a `{kind}` run; "
-                              "choose a new or empty folder")
+            raise OutputError(
+                f"output folder {path} holds a `{recorded}` run, not a `{kind}` run; "
+                "choose a new or empty folder"
+            )
         return path
     if path.is_dir():
         entries = sorted(p.name for p in path.iterdir())
@@ -61,10 +67,19 @@ def claim_run_dir(path: str | Path, kind: str, recognise_legacy: Callable[[Path]
             raise OutputError(
                 f"output folder {path} is not empty and is not a mistill-lens `{kind}` run (it holds "
                 f"{_describe(entries)}); choose a new or empty folder: mistill-lens only writes into "
-                "folders it created")
+                "folders it created"
+            )
     path.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"kind": kind, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
-        timespec="seconds")}, indent=2) + "\n")
+    marker.write_text(
+        json.dumps(
+            {
+                "kind": kind,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return path
 
 
@@ -72,8 +87,10 @@ def _read_marker(marker: Path) -> str:
     try:
         return str(json.loads(marker.read_text())["kind"])
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise OutputError(f"run marker {marker} is unreadable ({err}); this folder was not written by "
-                          "this version of mistill-lens: choose a new or empty folder") from err
+        raise OutputError(
+            f"run marker {marker} is unreadable ({err}); this folder was not written by "
+            "this version of mistill-lens: choose a new or empty folder"
+        ) from err
 
 
 def legacy_run(required: Iterable[str], owned: Iterable[str]) -> Callable[[Path], bool]:
@@ -84,6 +101,7 @@ def legacy_run(required: Iterable[str], owned: Iterable[str]) -> Callable[[Path]
     def recognise(path: Path) -> bool:
         names = {p.name for p in path.iterdir()}
         return required <= names and names <= owned
+
     return recognise
 
 
@@ -93,8 +111,10 @@ def claim_output_file(path: str | Path, what: str) -> Path:
     if path.is_dir():
         raise OutputError(f"{what} {path} is a folder; give the path of a new file")
     if path.exists():
-        raise OutputError(f"{what} {path} already exists; remove it or give another path "
-                          "(mistill-lens does not overwrite files)")
+        raise OutputError(
+            f"{what} {path} already exists; remove it or give another path "
+            "(mistill-lens does not overwrite files)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -161,8 +181,13 @@ def verify_manifest(run_dir: str | Path) -> None:
     if not path.is_file():
         return
     manifest = json.loads(path.read_text())
-    bad = [name for name, digest in manifest.items()
-           if not (run_dir / name).is_file() or file_digest(run_dir / name) != digest]
+    bad = [
+        name
+        for name, digest in manifest.items()
+        if not (run_dir / name).is_file() or file_digest(run_dir / name) != digest
+    ]
     if bad:
-        raise OutputError(f"checkpoint {run_dir}: {', '.join(bad)} missing or changed since it was written "
-                          "(truncated or edited); it cannot be resumed from")
+        raise OutputError(
+            f"checkpoint {run_dir}: {', '.join(bad)} missing or changed since it was written "
+            "(truncated or edited); it cannot be resumed from"
+        )

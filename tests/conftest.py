@@ -4,21 +4,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
+from planted import VOCAB, planted_bridge, planted_examples
 from transformer_lens import TransformerBridge
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from mistill_lens.lens.calibration import calibrate, null_events
 from mistill_lens.lens.events import events_from_spans, make_event_batch, position_class_names
 from mistill_lens.lens.hooks import compute_head_means, event_position_classes
 from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
-from planted import VOCAB, planted_bridge, planted_examples
-
 # Why: on a loaded shared machine two intra-op threads contend with every other process and a
 # test that takes 8 s single-threaded can take minutes.
 torch.set_num_threads(1)
-
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +30,9 @@ def random_bridge(planted):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(VOCAB), n_positions=32, n_embd=32, n_layer=3, n_head=4)
     hf_model = GPT2LMHeadModel(config).eval()
-    return TransformerBridge.boot_transformers("random-gpt2", hf_model=hf_model, tokenizer=tokenizer,
-                                               device="cpu", dtype=torch.float32)
+    return TransformerBridge.boot_transformers(
+        "random-gpt2", hf_model=hf_model, tokenizer=tokenizer, device="cpu", dtype=torch.float32
+    )
 
 
 def head_ablation_effects(model, batch, means):
@@ -44,7 +42,9 @@ def head_ablation_effects(model, batch, means):
 
 
 def encode_all(tokenizer, examples, first_id=0):
-    return [events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)]
+    return [
+        events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -56,12 +56,21 @@ def planted_data(planted):
     reference_events = [e for x in reference for e in x.events]
     reference_nulls = null_events(reference, reference_events, per_event=1, seed=1)
     reference_batch = make_event_batch(reference, reference_events + reference_nulls)
-    means = compute_head_means(bridge, reference_batch.tokens, event_position_classes(reference_batch),
-                               position_class_names(reference_batch.kinds))
+    means = compute_head_means(
+        bridge,
+        reference_batch.tokens,
+        event_position_classes(reference_batch),
+        position_class_names(reference_batch.kinds),
+    )
     batch = make_event_batch(examples)
     nulls = make_event_batch(examples, null_events(examples, batch.events, per_event=2, seed=0))
-    return {"examples": examples, "batch": batch, "nulls": nulls, "means": means,
-            "reference_batch": reference_batch}
+    return {
+        "examples": examples,
+        "batch": batch,
+        "nulls": nulls,
+        "means": means,
+        "reference_batch": reference_batch,
+    }
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-
 from transformer_lens import TransformerBridge
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 N_REGIONS = 6
 N_SUFFIXES = 4
@@ -62,7 +61,11 @@ def planted_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(TOKEN_ID, unk_token="<eos>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", unk_token="<eos>", pad_token="<eos>"
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<eos>",
+        pad_token="<eos>",
     )
     tokenizer.save_pretrained(directory)
     return PreTrainedTokenizerFast.from_pretrained(directory)
@@ -79,8 +82,15 @@ def _residual_basis() -> torch.Tensor:
 
 def planted_hf_model() -> GPT2LMHeadModel:
     config = GPT2Config(
-        vocab_size=len(VOCAB), n_positions=N_CTX, n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS,
-        layer_norm_epsilon=1e10, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=len(VOCAB),
+        n_positions=N_CTX,
+        n_embd=D_MODEL,
+        n_layer=N_LAYERS,
+        n_head=N_HEADS,
+        layer_norm_epsilon=1e10,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
         tie_word_embeddings=True,
     )
     model = GPT2LMHeadModel(config).eval()
@@ -102,7 +112,9 @@ def planted_hf_model() -> GPT2LMHeadModel:
     w_v = torch.zeros_like(w_q)
     w_o = torch.zeros(N_HEADS, d_head, D_MODEL, dtype=torch.float64)
 
-    def plant_selector(head: int, triggers: list[str], keys: list[str], outputs: list[str], gain: float) -> None:
+    def plant_selector(
+        head: int, triggers: list[str], keys: list[str], outputs: list[str], gain: float
+    ) -> None:
         for trigger in triggers:
             w_q[head] += q_scale * _MATCH_SCORE * torch.outer(tok(trigger), unit(0))
         w_q[head] += q_scale * _DEFAULT_SCORE * torch.outer(constant_dir, unit(1))
@@ -116,7 +128,9 @@ def planted_hf_model() -> GPT2LMHeadModel:
     plant_selector(WITHIN[1], REGIONS, FLAGGED_SUFFIXES, SUFFIXES, WITHIN_GAIN)
     # GENERIC: query at position p matches the key of position p-1
     for position in range(1, N_CTX):
-        w_q[GENERIC[1]] += q_scale * _MATCH_SCORE * torch.outer(position_dir[position], unit(position - 1))
+        w_q[GENERIC[1]] += (
+            q_scale * _MATCH_SCORE * torch.outer(position_dir[position], unit(position - 1))
+        )
     for position in range(N_CTX):
         w_k[GENERIC[1]] += torch.outer(position_dir[position], unit(position))
     for slot, name in enumerate([*REGIONS, *FILLERS]):
@@ -128,11 +142,20 @@ def planted_hf_model() -> GPT2LMHeadModel:
             parameter.zero_()
         model.transformer.wte.weight.copy_(token_dir + constant_dir)
         model.transformer.wpe.weight.copy_(position_dir)
-        for norm in [model.transformer.ln_f, *(b.ln_1 for b in model.transformer.h), *(b.ln_2 for b in model.transformer.h)]:
+        for norm in [
+            model.transformer.ln_f,
+            *(b.ln_1 for b in model.transformer.h),
+            *(b.ln_2 for b in model.transformer.h),
+        ]:
             norm.weight.fill_(1e5)  # sqrt(epsilon): LayerNorm(x) == x - mean(x) == x
         attn = model.transformer.h[0].attn
-        to_columns = lambda w: w.permute(1, 0, 2).reshape(D_MODEL, D_MODEL)  # [d_model, head*d_head]
-        attn.c_attn.weight.copy_(torch.cat([to_columns(w_q), to_columns(w_k), to_columns(w_v)], dim=1))
+
+        def to_columns(w):
+            return w.permute(1, 0, 2).reshape(D_MODEL, D_MODEL)  # [d_model, head*d_head]
+
+        attn.c_attn.weight.copy_(
+            torch.cat([to_columns(w_q), to_columns(w_k), to_columns(w_v)], dim=1)
+        )
         attn.c_proj.weight.copy_(w_o.reshape(D_MODEL, D_MODEL))
     return model
 
@@ -140,7 +163,11 @@ def planted_hf_model() -> GPT2LMHeadModel:
 def planted_bridge(directory: Path) -> tuple[TransformerBridge, PreTrainedTokenizerFast]:
     tokenizer = planted_tokenizer(directory)
     bridge = TransformerBridge.boot_transformers(
-        "planted-gpt2", hf_model=planted_hf_model(), tokenizer=tokenizer, device="cpu", dtype=torch.float32
+        "planted-gpt2",
+        hf_model=planted_hf_model(),
+        tokenizer=tokenizer,
+        device="cpu",
+        dtype=torch.float32,
     )
     return bridge, tokenizer
 
@@ -158,24 +185,44 @@ def planted_examples(n: int, seed: int) -> list[dict]:
         rng.shuffle(listed_suffixes)
         first_filler, second_filler = rng.sample(range(N_FILLERS), 2)
         prompt_tokens = ["<bos>"]
-        prompt_tokens += [FLAGGED_REGIONS[r] if r == chosen_region else REGIONS[r] for r in listed_regions]
-        prompt_tokens += [FLAGGED_SUFFIXES[s] if s == chosen_suffix else SUFFIXES[s] for s in listed_suffixes]
-        fillers = [FILLERS[first_filler if i % 2 == 0 else second_filler] for i in range(N_FILLER_TOKENS)]
+        prompt_tokens += [
+            FLAGGED_REGIONS[r] if r == chosen_region else REGIONS[r] for r in listed_regions
+        ]
+        prompt_tokens += [
+            FLAGGED_SUFFIXES[s] if s == chosen_suffix else SUFFIXES[s] for s in listed_suffixes
+        ]
+        fillers = [
+            FILLERS[first_filler if i % 2 == 0 else second_filler] for i in range(N_FILLER_TOKENS)
+        ]
         prompt = " ".join(prompt_tokens)
         head = prompt + " " + " ".join(fillers) + f" {REGIONS[chosen_region]} = "
         region_start = len(head)
         within_start = region_start + len(REGIONS[chosen_region]) + 1
-        output = head[len(prompt):] + f"{REGIONS[chosen_region]} {SUFFIXES[chosen_suffix]} <eos>"
-        examples.append({
-            "prompt": prompt,
-            "output": output,
-            "events": [
-                {"kind": "region", "start": region_start, "end": region_start + len(REGIONS[chosen_region]),
-                 "chosen": REGIONS[chosen_region], "contrast": REGIONS[contrast_region], "mention": 0,
-                 "region": REGIONS[chosen_region]},
-                {"kind": "within", "start": within_start, "end": within_start + len(SUFFIXES[chosen_suffix]),
-                 "chosen": SUFFIXES[chosen_suffix], "contrast": SUFFIXES[contrast_suffix], "mention": 0,
-                 "region": REGIONS[chosen_region]},
-            ],
-        })
+        output = head[len(prompt) :] + f"{REGIONS[chosen_region]} {SUFFIXES[chosen_suffix]} <eos>"
+        examples.append(
+            {
+                "prompt": prompt,
+                "output": output,
+                "events": [
+                    {
+                        "kind": "region",
+                        "start": region_start,
+                        "end": region_start + len(REGIONS[chosen_region]),
+                        "chosen": REGIONS[chosen_region],
+                        "contrast": REGIONS[contrast_region],
+                        "mention": 0,
+                        "region": REGIONS[chosen_region],
+                    },
+                    {
+                        "kind": "within",
+                        "start": within_start,
+                        "end": within_start + len(SUFFIXES[chosen_suffix]),
+                        "chosen": SUFFIXES[chosen_suffix],
+                        "contrast": SUFFIXES[contrast_suffix],
+                        "mention": 0,
+                        "region": REGIONS[chosen_region],
+                    },
+                ],
+            }
+        )
     return examples

@@ -1,9 +1,8 @@
 import pytest
 import torch
+from planted import DECIDER, GENERIC, GENERIC_GAIN, WITHIN
 
 from mistill_lens.lens.calibration import calibrate, null_events
-
-from planted import DECIDER, GENERIC, GENERIC_GAIN, WITHIN
 
 
 def test_null_events_are_matched_non_decisions_with_shuffled_contrasts(planted_data):
@@ -18,7 +17,9 @@ def test_null_events_are_matched_non_decisions_with_shuffled_contrasts(planted_d
         assert null.position not in {e.position for e in example.events}
         assert null.chosen_token == example.tokens[null.position]
         assert null.contrast_tokens[0] != null.chosen_token
-    assert {n.contrast_tokens[0] for n in nulls} <= {n.chosen_token for n in nulls}  # contrasts are shuffled choices
+    assert {n.contrast_tokens[0] for n in nulls} <= {
+        n.chosen_token for n in nulls
+    }  # contrasts are shuffled choices
     assert nulls == null_events(examples, batch.events, per_event=2, seed=0)
     assert nulls != null_events(examples, batch.events, per_event=2, seed=1)
 
@@ -31,7 +32,10 @@ def test_raw_scores_favour_the_generic_head_calibrated_scores_the_decider(calibr
     assert z[DECIDER] > 50 and z[DECIDER] == z.max()
     assert abs(z[GENERIC]) < 2  # within its null distribution: discounted
     within = calibration.kind_index("within")
-    assert calibration.z[within][WITHIN] == calibration.z[within].max() and calibration.z[within][WITHIN] > 50
+    assert (
+        calibration.z[within][WITHIN] == calibration.z[within].max()
+        and calibration.z[within][WITHIN] > 50
+    )
 
 
 def test_calibration_is_inspectable(calibration):
@@ -39,9 +43,20 @@ def test_calibration_is_inspectable(calibration):
     assert calibration.null_mean[GENERIC] > 1.0 and calibration.null_std[GENERIC] > 1.0
     assert calibration.null_mean[DECIDER].abs() < 1e-4 and calibration.null_std[DECIDER] < 1e-4
     frame = calibration.to_frame()
-    assert set(frame.columns) == {"kind", "layer", "head", "raw", "null_mean", "null_std", "above_null", "z"}
+    assert set(frame.columns) == {
+        "kind",
+        "layer",
+        "head",
+        "raw",
+        "null_mean",
+        "null_std",
+        "above_null",
+        "z",
+    }
     assert len(frame) == 2 * 2 * 4
-    row = frame[(frame.kind == "region") & (frame.layer == GENERIC[0]) & (frame["head"] == GENERIC[1])].iloc[0]
+    row = frame[
+        (frame.kind == "region") & (frame.layer == GENERIC[0]) & (frame["head"] == GENERIC[1])
+    ].iloc[0]
     assert row.above_null == pytest.approx(row.raw - row.null_mean)
 
 

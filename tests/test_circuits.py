@@ -1,15 +1,24 @@
 import pytest
 import torch
-
-from mistill_lens.lens.circuits import (
-    ablation_curve, attention_mass, circuit_report, coverage, family_targets, head_families, knock_in_donors,
-    knock_in_transfer, necessity, phase_structure, select_circuit, sufficiency,
-)
 from conftest import head_ablation_effects
-from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
-
 from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN
 from test_hooks import reference_frequencies
+
+from mistill_lens.lens.circuits import (
+    ablation_curve,
+    attention_mass,
+    circuit_report,
+    coverage,
+    family_targets,
+    head_families,
+    knock_in_donors,
+    knock_in_transfer,
+    necessity,
+    phase_structure,
+    select_circuit,
+    sufficiency,
+)
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
 
 def share(batch, reference, kind):
@@ -17,7 +26,12 @@ def share(batch, reference, kind):
     mean-ablation removes (f: reference frequency of each token)."""
     freq = reference_frequencies(reference, kind)
     rows = [i for i, k in enumerate(batch.kinds) if k == kind]
-    return rows, torch.tensor([1 - freq.get(int(batch.chosen[i]), 0) + freq.get(int(batch.contrast[i, 0]), 0) for i in rows])
+    return rows, torch.tensor(
+        [
+            1 - freq.get(int(batch.chosen[i]), 0) + freq.get(int(batch.contrast[i, 0]), 0)
+            for i in rows
+        ]
+    )
 
 
 def test_circuit_selection_finds_the_planted_deciders_only(calibration):
@@ -30,28 +44,52 @@ def test_circuit_selection_finds_the_planted_deciders_only(calibration):
 
 def test_necessity_sufficiency_and_knock_in_are_exact(planted, planted_data):
     bridge, _ = planted
-    batch, means, reference = planted_data["batch"], planted_data["means"], planted_data["reference_batch"]
+    batch, means, reference = (
+        planted_data["batch"],
+        planted_data["means"],
+        planted_data["reference_batch"],
+    )
     region_rows, region_share = share(batch, reference, "region")
     within_rows, within_share = share(batch, reference, "within")
     clean_region = REGION_GAIN + GENERIC_GAIN
 
     lost = necessity(bridge, batch, means, [DECIDER, WITHIN])
-    torch.testing.assert_close(lost[region_rows], REGION_GAIN * region_share / clean_region, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        lost[region_rows], REGION_GAIN * region_share / clean_region, atol=1e-4, rtol=0
+    )
     torch.testing.assert_close(lost[within_rows], within_share, atol=1e-4, rtol=0)
 
     kept = sufficiency(bridge, batch, means, [DECIDER, WITHIN])
-    torch.testing.assert_close(kept[region_rows], 1 - GENERIC_GAIN * region_share / clean_region, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        kept[region_rows], 1 - GENERIC_GAIN * region_share / clean_region, atol=1e-4, rtol=0
+    )
     torch.testing.assert_close(kept[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
 
     donors = knock_in_donors(batch, seed=0)
-    assert all(batch.kinds[d] == batch.kinds[i] and batch.chosen[d] != batch.chosen[i]
-               and batch.events[d].example_id != batch.events[i].example_id for i, d in enumerate(donors.tolist()))
+    assert all(
+        batch.kinds[d] == batch.kinds[i]
+        and batch.chosen[d] != batch.chosen[i]
+        and batch.events[d].example_id != batch.events[i].example_id
+        for i, d in enumerate(donors.tolist())
+    )
     transfer = knock_in_transfer(bridge, batch, [DECIDER, WITHIN], donors)
-    torch.testing.assert_close(transfer[region_rows], torch.full((len(region_rows),), REGION_GAIN / clean_region), atol=1e-4, rtol=0)
-    torch.testing.assert_close(transfer[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        transfer[region_rows],
+        torch.full((len(region_rows),), REGION_GAIN / clean_region),
+        atol=1e-4,
+        rtol=0,
+    )
+    torch.testing.assert_close(
+        transfer[within_rows], torch.ones(len(within_rows)), atol=1e-4, rtol=0
+    )
     # knocked in, the generic head carries the donor's mention: its share of the donor's margin
     generic = knock_in_transfer(bridge, batch, [GENERIC], donors)
-    torch.testing.assert_close(generic[region_rows], torch.full((len(region_rows),), GENERIC_GAIN / clean_region), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        generic[region_rows],
+        torch.full((len(region_rows),), GENERIC_GAIN / clean_region),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_report_summary_and_coverage(planted, planted_data):
@@ -60,11 +98,18 @@ def test_report_summary_and_coverage(planted, planted_data):
     report = circuit_report(bridge, batch, means, [DECIDER, WITHIN], seed=0)
     summary = report.summary({"necessity": 0.5, "sufficiency": 0.9, "knock_in": 0.9})
     assert set(summary) == {"region", "within"}
-    assert summary["within"]["coverage"] == {"necessity": pytest.approx(summary["within"]["coverage"]["necessity"]),
-                                             "sufficiency": 1.0, "knock_in": 1.0}
+    assert summary["within"]["coverage"] == {
+        "necessity": pytest.approx(summary["within"]["coverage"]["necessity"]),
+        "sufficiency": 1.0,
+        "knock_in": 1.0,
+    }
     assert summary["region"]["coverage"]["knock_in"] == 0.0  # a third transfers, below 0.9
-    assert summary["region"]["knock_in"] == pytest.approx(REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=1e-4)
-    assert coverage(torch.tensor([1.0, 0.0, 1.0, torch.nan]), [0, 0, 1, 2], 0.5) == 1.0  # example 0 averages 0.5
+    assert summary["region"]["knock_in"] == pytest.approx(
+        REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=1e-4
+    )
+    assert (
+        coverage(torch.tensor([1.0, 0.0, 1.0, torch.nan]), [0, 0, 1, 2], 0.5) == 1.0
+    )  # example 0 averages 0.5
     assert coverage(torch.tensor([0.2, 0.9]), [0, 1], 0.5) == 0.5
 
 
@@ -72,17 +117,32 @@ def test_head_families_separate_candidate_readers_from_mention_readers(planted, 
     bridge, _ = planted
     examples, batch = planted_data["examples"], planted_data["batch"].of_kind("region")
     by_id = {x.example_id: x for x in examples}
-    targets = [family_targets(by_id[e.example_id], e, near_miss_text=e.chosen) for e in batch.events]
+    targets = [
+        family_targets(by_id[e.example_id], e, near_miss_text=e.chosen) for e in batch.events
+    ]
     for event, target in zip(batch.events, targets):
         tokens = by_id[event.example_id].tokens
-        assert [tokens[p] for p in target["region_candidates"]] == [event.chosen_token + 6]  # the flagged "R{b}*"
+        assert [tokens[p] for p in target["region_candidates"]] == [
+            event.chosen_token + 6
+        ]  # the flagged "R{b}*"
         assert target["near_miss_mention"] == [event.predict_position - 1]
-    masses = {family: attention_mass(bridge, batch, [t[family] for t in targets]) for family in targets[0]}
+    masses = {
+        family: attention_mass(bridge, batch, [t[family] for t in targets]) for family in targets[0]
+    }
     assert masses["region_candidates"][:, DECIDER[0], DECIDER[1]].min() > 0.999
     assert masses["near_miss_mention"][:, GENERIC[0], GENERIC[1]].min() > 0.999
-    baselines = {f: torch.tensor([len(t[f]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]) for f in masses}
+    baselines = {
+        f: torch.tensor(
+            [len(t[f]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]
+        )
+        for f in masses
+    }
     families = head_families(masses, batch.kinds, [DECIDER, GENERIC, WITHIN], baselines)
-    assert families.set_index("head")["family"].to_dict() == {0: "region_candidates", 1: "near_miss_mention", 2: "none"}
+    assert families.set_index("head")["family"].to_dict() == {
+        0: "region_candidates",
+        1: "near_miss_mention",
+        2: "none",
+    }
     with pytest.raises(IndexError, match="outside its context"):
         attention_mass(bridge, batch, [[100]] * len(batch))
 
@@ -91,10 +151,16 @@ def test_ablation_curve_by_score_beats_random(planted, planted_data):
     bridge, _ = planted
     batch, means = planted_data["batch"], planted_data["means"]
     curve = ablation_curve(bridge, batch, means, [WITHIN, DECIDER], seed=0)
-    within = curve[(curve.kind == "within") & (curve.order == "by score")].set_index("n_ablated")["fraction_kept"]
+    within = curve[(curve.kind == "within") & (curve.order == "by score")].set_index("n_ablated")[
+        "fraction_kept"
+    ]
     assert within[0] == pytest.approx(1.0)
-    assert within[1] == pytest.approx(1 - float(necessity(bridge, batch.of_kind("within"), means, [WITHIN]).mean()), abs=1e-5)
-    random_within = curve[(curve.kind == "within") & (curve.order == "random")].set_index("n_ablated")["fraction_kept"]
+    assert within[1] == pytest.approx(
+        1 - float(necessity(bridge, batch.of_kind("within"), means, [WITHIN]).mean()), abs=1e-5
+    )
+    random_within = curve[(curve.kind == "within") & (curve.order == "random")].set_index(
+        "n_ablated"
+    )["fraction_kept"]
     assert within[1] < random_within[1]
     assert sorted(curve.n_ablated.unique()) == list(range(9))
 
@@ -108,9 +174,13 @@ def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data
     with open(path, "a") as f:  # an interrupted head: half its rows written
         f.write("0,0,region,18,1,0,6.0,6.0,0.0,0.0\n")
     full = ablation_sweep(bridge, batch, means, path, progress=False)
-    assert len(full) == 8 * len(batch) and len(full.drop_duplicates(["event_row", "layer", "head"])) == len(full)
+    assert len(full) == 8 * len(batch) and len(
+        full.drop_duplicates(["event_row", "layer", "head"])
+    ) == len(full)
     effects = effects_tensor(full, len(batch), 2, 4)
-    torch.testing.assert_close(effects, head_ablation_effects(bridge, batch, means), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        effects, head_ablation_effects(bridge, batch, means), atol=1e-6, rtol=0
+    )
     with pytest.raises(ValueError, match="another run"):
         ablation_sweep(bridge, batch.of_kind("within"), means, path, progress=False)
 
@@ -118,8 +188,10 @@ def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data
 @pytest.fixture(scope="module")
 def region_batch(planted):
     from conftest import encode_all
-    from mistill_lens.lens.events import make_event_batch
     from planted import planted_examples
+
+    from mistill_lens.lens.events import make_event_batch
+
     _, tokenizer = planted
     return make_event_batch(encode_all(tokenizer, planted_examples(60, seed=4))).of_kind("region")
 
@@ -129,12 +201,18 @@ def test_early_elicitation_reads_the_region_only_where_it_is_in_the_stream(plant
     the mention token itself; from r-3 on nothing in the stream names it."""
     from mistill_lens.lens.elicitation import elicitation_curve, elicitation_lead
     from mistill_lens.lens.events import candidate_token_ids
+
     bridge, tokenizer = planted
-    curve = elicitation_curve(bridge, region_batch, candidate_token_ids(tokenizer, r"R\d"), ks=range(1, 6), seed=0)
+    curve = elicitation_curve(
+        bridge, region_batch, candidate_token_ids(tokenizer, r"R\d"), ks=range(1, 6), seed=0
+    )
     accuracy = curve.set_index(["method", "k", "stage"])["accuracy"]
     # the logit lens is exact here; the probe (42 training rows, 128 dimensions) nearly so
     for method, at_least in (("logit_lens", 1.0), ("probe", 0.8)):
-        assert accuracy[method, 1, 0] < 0.5 and min(accuracy[method, 1, 1], accuracy[method, 1, 2]) >= at_least
+        assert (
+            accuracy[method, 1, 0] < 0.5
+            and min(accuracy[method, 1, 1], accuracy[method, 1, 2]) >= at_least
+        )
         assert min(accuracy[method, 2, s] for s in range(3)) >= at_least
         assert max(accuracy[method, k, s] for k in (3, 4, 5) for s in range(3)) < 0.5
         assert elicitation_lead(curve, method) == 2
@@ -143,9 +221,12 @@ def test_early_elicitation_reads_the_region_only_where_it_is_in_the_stream(plant
 
 def test_carrying_heads_are_the_ones_that_write_the_region(planted, region_batch):
     from mistill_lens.lens.elicitation import carrying_heads, top_heads
+
     bridge, _ = planted
     at_decision = carrying_heads(bridge, region_batch, k=1, stage=2)
     assert set(top_heads(at_decision, 2)) == {DECIDER, GENERIC}
     assert at_decision[0, 2:].abs().max() < 1e-3 and at_decision[1].abs().max() < 1e-3
     at_mention = carrying_heads(bridge, region_batch, k=2, stage=2)
-    assert at_mention.max() < 0.2 * at_decision.max()  # the mention token is read from its embedding
+    assert (
+        at_mention.max() < 0.2 * at_decision.max()
+    )  # the mention token is read from its embedding

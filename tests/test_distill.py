@@ -12,26 +12,62 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 from transformers import ByT5Tokenizer, GPT2LMHeadModel
 
+import mistill_lens.distill.training as training_module
 from mistill_lens import task
-from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.distill.align import overlap_matrix, transfer_mass
 from mistill_lens.distill.attention import (
-    attention_kl, collate_items, pattern_recorder, pooled_attention, student_item, teacher_head_sets,
+    attention_kl,
+    collate_items,
+    pattern_recorder,
+    pooled_attention,
+    student_item,
+    teacher_head_sets,
 )
 from mistill_lens.distill.data import as_generated, generation_events
-from mistill_lens.distill.evaluation import EVALUATION_FILE, causal_recovery, evaluate_run, median_recovery
-from mistill_lens.distill.report import load_evaluations, paired_comparison, sign_flip_p_value, summarise, write_report
-from mistill_lens.models.students import build_student, exportable, family_tokenizer, student_config
-import mistill_lens.distill.training as training_module
-from mistill_lens.distill.training import DistillConfig, distill, distillation_items, initial_student, student_losses
+from mistill_lens.distill.evaluation import (
+    EVALUATION_FILE,
+    causal_recovery,
+    evaluate_run,
+    median_recovery,
+)
+from mistill_lens.distill.report import (
+    load_evaluations,
+    paired_comparison,
+    sign_flip_p_value,
+    summarise,
+    write_report,
+)
+from mistill_lens.distill.training import (
+    DistillConfig,
+    distill,
+    distillation_items,
+    initial_student,
+    student_losses,
+)
+from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.runs import file_digest
-from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, read_metadata, save_checkpoint, teacher_config, to_bridge
+from mistill_lens.models.checkpoints import (
+    CheckpointError,
+    load_hf_model,
+    read_metadata,
+    save_checkpoint,
+    teacher_config,
+    to_bridge,
+)
+from mistill_lens.models.students import build_student, exportable, family_tokenizer, student_config
 from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
+from mistill_lens.runs import file_digest
 
 TASK = {"universe_size": 300, "k": 8, "max_mentions": 2}
-TEACHER_HEADS = {"region": [(1, 0)], "within": [(1, 1)], "near_miss": [(0, 1), (1, 0)], "all": [(0, 1), (1, 0), (1, 1)]}
-TINY = dict(n_layer=2, n_head=2, n_embd=32, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=100)
+TEACHER_HEADS = {
+    "region": [(1, 0)],
+    "within": [(1, 1)],
+    "near_miss": [(0, 1), (1, 0)],
+    "all": [(0, 1), (1, 0), (1, 1)],
+}
+TINY = dict(
+    n_layer=2, n_head=2, n_embd=32, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=100
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +80,11 @@ def examples():
 def teacher():
     tokenizer = teacher_tokenizer()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32,
-                                           eos_token_id=tokenizer.eos_token_id)).eval()
+    model = GPT2LMHeadModel(
+        teacher_config(
+            len(tokenizer), n_layer=2, n_head=2, n_embd=32, eos_token_id=tokenizer.eos_token_id
+        )
+    ).eval()
     model.config._attn_implementation = "eager"
     return to_bridge(model, tokenizer), tokenizer
 
@@ -57,8 +96,19 @@ def texts():
 
 def run(config_overrides, teacher, examples, out, **kwargs):
     bridge, tokenizer = teacher
-    config = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill", "steps": 3, **config_overrides})
-    return distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), out, progress=False, **kwargs)
+    config = DistillConfig(
+        **{**TINY, "family": "llama", "objective": "mistill", "steps": 3, **config_overrides}
+    )
+    return distill(
+        config,
+        bridge,
+        tokenizer,
+        examples,
+        teacher_head_sets(TEACHER_HEADS),
+        out,
+        progress=False,
+        **kwargs,
+    )
 
 
 def weights(run_dir):
@@ -78,19 +128,27 @@ def char_level_transfer(mass, source, target):
     for m, (s, e) in zip(mass.tolist(), source):
         for c in range(s, e):
             density[c] = density.get(c, 0.0) + m / (e - s)
-    return torch.tensor([sum(density.get(c, 0.0) for c in range(s, e)) for s, e in target], dtype=torch.float64)
+    return torch.tensor(
+        [sum(density.get(c, 0.0) for c in range(s, e)) for s, e in target], dtype=torch.float64
+    )
 
 
-text_slices = st.tuples(st.integers(0, 3), st.integers(0, 2000), st.integers(1, 400), st.integers(0, 2**31 - 1))
+text_slices = st.tuples(
+    st.integers(0, 3), st.integers(0, 2000), st.integers(1, 400), st.integers(0, 2**31 - 1)
+)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text_slices)
 def test_alignment_conserves_mass_and_respects_spans(texts, draw):
     which, start, length, seed = draw
-    text = texts[which][start:start + length] or texts[which][:length]
+    text = texts[which][start : start + length] or texts[which][:length]
     source, target = offsets(teacher_tokenizer(), text), offsets(student_tokenizer(), text)
-    mass = torch.rand(len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mass = torch.rand(
+        len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     moved = transfer_mass(mass, source, target, renormalise=False)
     # the student tokens tile the same text: no mass is created or lost
     torch.testing.assert_close(moved.sum(), mass.sum())
@@ -103,26 +161,34 @@ def test_alignment_conserves_mass_and_respects_spans(texts, draw):
         assert set(matrix[:, j].nonzero().flatten().tolist()) <= set(overlapping)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text_slices, st.integers(1, 50))
 def test_alignment_into_a_truncated_context_renormalises_what_it_covers(texts, draw, keep):
     which, start, length, seed = draw
-    text = texts[which][start:start + length] or texts[which][:length]
+    text = texts[which][start : start + length] or texts[which][:length]
     source, target = offsets(teacher_tokenizer(), text), offsets(student_tokenizer(), text)
     target = target[:keep]
-    mass = torch.rand(len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mass = torch.rand(
+        len(source), generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     expected = char_level_transfer(mass, source, target)
     torch.testing.assert_close(transfer_mass(mass, source, target), expected / expected.sum())
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text_slices, st.sampled_from(["teacher", "student"]))
 def test_alignment_is_the_identity_for_equal_tokenizers(texts, draw, which_tokenizer):
     which, start, length, seed = draw
-    text = texts[which][start:start + length] or texts[which][:length]
+    text = texts[which][start : start + length] or texts[which][:length]
     tokenizer = teacher_tokenizer() if which_tokenizer == "teacher" else student_tokenizer()
     spans = offsets(tokenizer, text)
-    mass = torch.rand(len(spans), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    mass = torch.rand(
+        len(spans), generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     assert torch.equal(overlap_matrix(spans, spans), torch.eye(len(spans), dtype=torch.float64))
     assert torch.equal(transfer_mass(mass, spans, spans, renormalise=False), mass)
 
@@ -137,15 +203,22 @@ def test_events_land_inside_their_character_spans_in_both_tokenizers(examples):
 
 
 def test_generation_events_keep_exactly_the_reproduced_lines():
-    example = next(e for e in task.generate_examples(20, 3, "train", **TASK) if len(e.mentions) == 2)
+    example = next(
+        e for e in task.generate_examples(20, 3, "train", **TASK) if len(e.mentions) == 2
+    )
     assert generation_events(example, example.output) == example.events
     first, second, codes = example.output.splitlines(keepends=True)
-    generated = first.replace(" => region ", " => region  ") + second + codes  # mention 0 is now wrong
+    generated = (
+        first.replace(" => region ", " => region  ") + second + codes
+    )  # mention 0 is now wrong
     events = generation_events(example, generated)
     assert [e.mention for e in events] == [1] * sum(e.mention == 1 for e in example.events)
     text = example.prompt + generated
-    assert all(text[e.start:e.end] == e.chosen for e in events)
-    assert all(e.start == g.start + 1 for e, g in zip(events, [g for g in example.events if g.mention == 1]))
+    assert all(text[e.start : e.end] == e.chosen for e in events)
+    assert all(
+        e.start == g.start + 1
+        for e, g in zip(events, [g for g in example.events if g.mention == 1])
+    )
 
 
 # --- targets and loss ------------------------------------------------------------------------
@@ -153,13 +226,26 @@ def test_generation_events_keep_exactly_the_reproduced_lines():
 
 def tiny_student(family="llama", seed=0):
     tokenizer = family_tokenizer(family)
-    model = build_student(student_config(family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32), seed)
+    model = build_student(
+        student_config(
+            family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32
+        ),
+        seed,
+    )
     return model, to_bridge(model, tokenizer), tokenizer
 
 
 def test_targets_are_distributions_over_the_student_context(teacher, examples):
     bridge, tokenizer = teacher
-    item = student_item(examples[0], 0, bridge, tokenizer, student_tokenizer(), teacher_head_sets(TEACHER_HEADS), 1024)
+    item = student_item(
+        examples[0],
+        0,
+        bridge,
+        tokenizer,
+        student_tokenizer(),
+        teacher_head_sets(TEACHER_HEADS),
+        1024,
+    )
     assert len(item.query_positions) == len(examples[0].events) > 0
     for q, target in zip(item.query_positions, item.attention_targets):
         assert target.shape == (q + 1,) and not target.requires_grad
@@ -169,7 +255,9 @@ def test_targets_are_distributions_over_the_student_context(teacher, examples):
 
 def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, examples):
     model, bridge, tokenizer = tiny_student()
-    items, _ = distillation_items(examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    items, _ = distillation_items(
+        examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
+    )
     batch = collate_items(items, tokenizer.pad_token_id)
     heads = [(1, 0), (1, 1)]
     store = {}
@@ -186,9 +274,13 @@ def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, exam
     assert attention_kl(pooled, batch.attention_targets, torch.zeros_like(batch.event_mask)) == 0
 
 
-def test_gradient_flows_through_the_student_pattern_and_never_into_the_teacher(teacher, examples, tmp_path):
+def test_gradient_flows_through_the_student_pattern_and_never_into_the_teacher(
+    teacher, examples, tmp_path
+):
     model, bridge, tokenizer = tiny_student()
-    items, _ = distillation_items(examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    items, _ = distillation_items(
+        examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
+    )
     batch = collate_items(items, tokenizer.pad_token_id)
     _, attention = student_losses(model, bridge, batch, [(1, 0), (1, 1)], "fp32-master")
     attention.backward()
@@ -206,12 +298,24 @@ def test_gradient_flows_through_the_student_pattern_and_never_into_the_teacher(t
 
 def test_lambda_zero_reproduces_the_cot_run(teacher, examples, tmp_path):
     cot = run({"objective": "cot", "steps": 4}, teacher, examples, tmp_path / "cot")
-    zero = run({"objective": "mistill", "attention_weight": 0.0, "steps": 4}, teacher, examples, tmp_path / "zero")
+    zero = run(
+        {"objective": "mistill", "attention_weight": 0.0, "steps": 4},
+        teacher,
+        examples,
+        tmp_path / "zero",
+    )
     assert cot["final_cot_loss"] == zero["final_cot_loss"]
     a, b = weights(tmp_path / "cot"), weights(tmp_path / "zero")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    mistill = run({"objective": "mistill", "attention_weight": 1.0, "steps": 4}, teacher, examples, tmp_path / "m")
-    assert mistill["final_cot_loss"] != cot["final_cot_loss"]  # the attention term does change training
+    mistill = run(
+        {"objective": "mistill", "attention_weight": 1.0, "steps": 4},
+        teacher,
+        examples,
+        tmp_path / "m",
+    )
+    assert (
+        mistill["final_cot_loss"] != cot["final_cot_loss"]
+    )  # the attention term does change training
 
 
 def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_path, monkeypatch):
@@ -240,18 +344,33 @@ def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_pat
 def mean_attention_kl(run_dir, teacher, examples):
     model, tokenizer = load_hf_model(run_dir, attn_implementation="eager")
     bridge = to_bridge(model, tokenizer)
-    items, _ = distillation_items(examples, *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024)
+    items, _ = distillation_items(
+        examples, *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
+    )
     with torch.no_grad():
-        _, kl = student_losses(model, bridge, collate_items(items, tokenizer.pad_token_id), [(1, 0), (1, 1)], "fp32-master")
+        _, kl = student_losses(
+            model,
+            bridge,
+            collate_items(items, tokenizer.pad_token_id),
+            [(1, 0), (1, 1)],
+            "fp32-master",
+        )
     return float(kl)
 
 
 def test_attention_loss_moves_pooled_attention_toward_the_target(teacher, examples, tmp_path):
     start = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill"})
-    save_checkpoint(exportable(initial_student(start)), family_tokenizer("llama"), tmp_path / "start", {})
+    save_checkpoint(
+        exportable(initial_student(start)), family_tokenizer("llama"), tmp_path / "start", {}
+    )
     initial = mean_attention_kl(tmp_path / "start", teacher, examples)
     run({"objective": "cot", "steps": 12}, teacher, examples, tmp_path / "cot")
-    run({"objective": "mistill", "attention_weight": 5.0, "steps": 12}, teacher, examples, tmp_path / "mistill")
+    run(
+        {"objective": "mistill", "attention_weight": 5.0, "steps": 12},
+        teacher,
+        examples,
+        tmp_path / "mistill",
+    )
     cot = mean_attention_kl(tmp_path / "cot", teacher, examples)
     mistill = mean_attention_kl(tmp_path / "mistill", teacher, examples)
     assert initial - mistill > initial - cot
@@ -259,15 +378,21 @@ def test_attention_loss_moves_pooled_attention_toward_the_target(teacher, exampl
 
 
 @pytest.mark.parametrize("family,precision", [("llama", "bf16"), ("gpt2", "fp32-master")])
-def test_precision_modes_and_families_train_and_reload(teacher, examples, tmp_path, family, precision):
-    metadata = run({"family": family, "precision": precision, "steps": 2}, teacher, examples, tmp_path / "run")
+def test_precision_modes_and_families_train_and_reload(
+    teacher, examples, tmp_path, family, precision
+):
+    metadata = run(
+        {"family": family, "precision": precision, "steps": 2}, teacher, examples, tmp_path / "run"
+    )
     assert metadata["step"] == 2 and torch.isfinite(torch.tensor(metadata["final_loss"]))
     stored = weights(tmp_path / "run")
     expected = torch.bfloat16 if precision == "bf16" else torch.float32
     assert {t.dtype for t in stored.values()} == {expected}
     model, tokenizer = load_hf_model(tmp_path / "run")
     assert model.config.model_type == ("llama" if family == "llama" else "gpt2")
-    assert metadata["n_params"] == sum(p.numel() for p in model.parameters())  # not the bridge's extra copies
+    assert metadata["n_params"] == sum(
+        p.numel() for p in model.parameters()
+    )  # not the bridge's extra copies
     assert len(tokenizer) == len(family_tokenizer(family))
     if family == "gpt2":
         assert metadata["n_events"] == sum(len(e.events) for e in examples)
@@ -292,7 +417,10 @@ def test_an_explicit_student_head_set_is_pooled_and_resumes(teacher, examples, t
     other = run({**config, "student_head_set": ((1, 1),)}, teacher, examples, tmp_path / "other")
     assert other["final_attention_loss"] != metadata["final_attention_loss"]
     # rerunning the finished run is a resume: its saved head set compares equal to the requested one
-    assert run(config, teacher, examples, tmp_path / "one")["final_attention_loss"] == metadata["final_attention_loss"]
+    assert (
+        run(config, teacher, examples, tmp_path / "one")["final_attention_loss"]
+        == metadata["final_attention_loss"]
+    )
     with pytest.raises(CheckpointError, match="student_head_set"):
         run({**config, "student_head_set": ((0, 0),)}, teacher, examples, tmp_path / "one")
     with pytest.raises(ValueError, match="either as layers or as a head set"):
@@ -305,23 +433,59 @@ def test_default_student_heads_are_homologous_only_for_a_same_family_student_of_
     teacher_heads = [(0, 1), (1, 0), (1, 0)]
     same = DistillConfig(**{**TINY, "family": "gpt2"})
     assert same.student_heads((2, 2), teacher_heads) == [(0, 1), (1, 0)]
-    assert same.student_heads((4, 2), teacher_heads) == [(1, 0), (1, 1)]  # another shape: the upper half
-    assert DistillConfig(**{**TINY, "family": "llama"}).student_heads((2, 2), teacher_heads) == [(1, 0), (1, 1)]
-    assert DistillConfig(**{**TINY, "family": "gpt2", "student_layers": (0,)}).student_heads((2, 2), teacher_heads) == [(0, 0), (0, 1)]
+    assert same.student_heads((4, 2), teacher_heads) == [
+        (1, 0),
+        (1, 1),
+    ]  # another shape: the upper half
+    assert DistillConfig(**{**TINY, "family": "llama"}).student_heads((2, 2), teacher_heads) == [
+        (1, 0),
+        (1, 1),
+    ]
+    assert DistillConfig(**{**TINY, "family": "gpt2", "student_layers": (0,)}).student_heads(
+        (2, 2), teacher_heads
+    ) == [(0, 0), (0, 1)]
 
 
 def test_a_run_trained_with_other_heads_is_not_resumed_with_new_ones(teacher, examples, tmp_path):
     bridge, tokenizer = teacher
     config = DistillConfig(**{**TINY, "family": "gpt2", "objective": "mistill", "steps": 1})
-    metadata = distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), tmp_path / "run", progress=False)
-    assert metadata["student_heads"] == [[0, 1], [1, 0], [1, 1]]  # the tiny teacher's circuit, homologous
+    metadata = distill(
+        config,
+        bridge,
+        tokenizer,
+        examples,
+        teacher_head_sets(TEACHER_HEADS),
+        tmp_path / "run",
+        progress=False,
+    )
+    assert metadata["student_heads"] == [
+        [0, 1],
+        [1, 0],
+        [1, 1],
+    ]  # the tiny teacher's circuit, homologous
     # as if the run had been made under another default: resuming must not silently switch heads
     metadata_path = tmp_path / "run" / "mistill.json"
-    metadata_path.write_text(json.dumps({**json.loads(metadata_path.read_text()), "student_heads": [[1, 0], [1, 1]]}))
-    manifest_path = tmp_path / "run" / "manifest.json"  # written so by that run: its manifest agrees
-    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "mistill.json": file_digest(metadata_path)}))
+    metadata_path.write_text(
+        json.dumps({**json.loads(metadata_path.read_text()), "student_heads": [[1, 0], [1, 1]]})
+    )
+    manifest_path = (
+        tmp_path / "run" / "manifest.json"
+    )  # written so by that run: its manifest agrees
+    manifest_path.write_text(
+        json.dumps(
+            {**json.loads(manifest_path.read_text()), "mistill.json": file_digest(metadata_path)}
+        )
+    )
     with pytest.raises(CheckpointError, match="pooling student heads"):
-        distill(config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), tmp_path / "run", progress=False)
+        distill(
+            config,
+            bridge,
+            tokenizer,
+            examples,
+            teacher_head_sets(TEACHER_HEADS),
+            tmp_path / "run",
+            progress=False,
+        )
 
 
 def test_student_heads_option_parses_layer_dot_head():
@@ -357,7 +521,9 @@ def test_bad_input_gives_clear_errors(teacher, examples, tmp_path):
 
 
 def test_causal_recovery_reads_the_characterisation_summary():
-    summary = {"near_miss": {"n_events": 10, "necessity": 0.6, "knock_in": 0.2, "circuit": [[1, 0]]}}
+    summary = {
+        "near_miss": {"n_events": 10, "necessity": 0.6, "knock_in": 0.2, "circuit": [[1, 0]]}
+    }
     assert causal_recovery(summary)["causal_recovery"] == pytest.approx(0.4)
     no_heads = {"near_miss": {"n_events": 10, "necessity": None, "knock_in": None, "circuit": []}}
     assert causal_recovery(no_heads)["causal_recovery"] == 0.0
@@ -371,10 +537,16 @@ def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
     (characterization / "summary.json").write_text(json.dumps({"circuit": []}))
     assert median_recovery(characterization) == 0.0  # no heads selected: carries nothing
     (characterization / "summary.json").write_text(json.dumps({"circuit": [[1, 0]]}))
-    events = pd.DataFrame({
-        "example_id": [0, 1, 2, 3], "kind": ["near_miss"] * 3 + ["region"], "position": [5, 6, 7, 3],
-        "necessity": [0.4, 0.6, -12.0, 0.9], "sufficiency": [0.0] * 4, "knock_in": [0.2, float("nan"), 0.4, 0.9],
-    })
+    events = pd.DataFrame(
+        {
+            "example_id": [0, 1, 2, 3],
+            "kind": ["near_miss"] * 3 + ["region"],
+            "position": [5, 6, 7, 3],
+            "necessity": [0.4, 0.6, -12.0, 0.9],
+            "sufficiency": [0.0] * 4,
+            "knock_in": [0.2, float("nan"), 0.4, 0.9],
+        }
+    )
     events.to_csv(characterization / "events.csv", index=False)
     # median necessity 0.4 (the -12 outlier does not drag it), median knock-in 0.3 (NaN skipped)
     assert median_recovery(characterization) == pytest.approx(0.35)
@@ -383,7 +555,9 @@ def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
 
 
 def test_sign_flip_p_value_known_answers():
-    assert sign_flip_p_value([1.0, 2.0, 3.0]) == pytest.approx(2 / 8)  # only all-plus and all-minus reach |6|
+    assert sign_flip_p_value([1.0, 2.0, 3.0]) == pytest.approx(
+        2 / 8
+    )  # only all-plus and all-minus reach |6|
     assert sign_flip_p_value([1.0, -1.0]) == 1.0
     assert sign_flip_p_value([0.5, 0.1, 0.3, 0.2, 0.4, 0.6]) == pytest.approx(2 / 64)
     assert sign_flip_p_value([1.0] * 20) < 1e-3  # Monte Carlo beyond 16 pairs; exact value 2 / 2^20
@@ -393,40 +567,72 @@ def test_sign_flip_p_value_known_answers():
 
 
 def test_paired_comparison_pairs_objectives_by_seed():
-    rows = [{"family": "llama", "precision": "bf16", "objective": objective, "seed": seed, "causal_recovery": value,
-             "code_f1": 0.1, "near_miss_acc": 0.0}
-            for objective, values in (("cot", [0.1, 0.2, 0.3, 0.9]), ("mistill", [0.3, 0.5, 0.4]))
-            for seed, value in enumerate(values)]  # seed 3 has no MISTILL run: left out of the pairs
+    rows = [
+        {
+            "family": "llama",
+            "precision": "bf16",
+            "objective": objective,
+            "seed": seed,
+            "causal_recovery": value,
+            "code_f1": 0.1,
+            "near_miss_acc": 0.0,
+        }
+        for objective, values in (("cot", [0.1, 0.2, 0.3, 0.9]), ("mistill", [0.3, 0.5, 0.4]))
+        for seed, value in enumerate(values)
+    ]  # seed 3 has no MISTILL run: left out of the pairs
     paired = paired_comparison(pd.DataFrame(rows)).set_index("metric")
     recovery = paired.loc["causal_recovery"]
     assert recovery.n_pairs == 3 and recovery.mistill_higher == 3
-    assert recovery.difference_mean == pytest.approx(0.2) and recovery.p_value == pytest.approx(0.25)
+    assert recovery.difference_mean == pytest.approx(0.2) and recovery.p_value == pytest.approx(
+        0.25
+    )
     assert paired.loc["code_f1"].mistill_higher == 0 and paired.loc["code_f1"].p_value == 1.0
 
 
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     run({"objective": "cot", "steps": 2}, teacher, examples, tmp_path / "s0")
     quick = CharacterizeConfig(ks=(1, 2), z_min=1.5, progress=False)
-    result = evaluate_run(tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick)
+    result = evaluate_run(
+        tmp_path / "s0", TASK, n_eval=1, n_characterize=4, progress=False, characterize_config=quick
+    )
     assert {"code_f1", "near_miss_acc", "causal_recovery", "causal_recovery_median"} <= set(result)
     assert result["causal_recovery_median"] == median_recovery(tmp_path / "s0" / "characterization")
     assert result["z_min"] == 1.5  # the student's circuit threshold is recorded with its recovery
-    log = torch.load(tmp_path / "s0" / training_module.TRAINING_STATE_FILE, weights_only=False)["log"]["attention"]
-    assert result["attention_loss_tail"] == pytest.approx(log[-1], abs=1e-5)  # 2 steps: the tail is the last
+    log = torch.load(tmp_path / "s0" / training_module.TRAINING_STATE_FILE, weights_only=False)[
+        "log"
+    ]["attention"]
+    assert result["attention_loss_tail"] == pytest.approx(
+        log[-1], abs=1e-5
+    )  # 2 steps: the tail is the last
     assert result["family"] == "llama" and result["objective"] == "cot" and result["seed"] == 0
     summary = write_report([tmp_path / "s0"], tmp_path / "report")
-    assert list(summary) == ["llama/cot/fp32-master"] and summary["llama/cot/fp32-master"]["n_seeds"] == 1
-    assert summary["llama/cot/fp32-master"]["attention_loss_tail_mean"] == pytest.approx(result["attention_loss_tail"], abs=1e-4)
+    assert (
+        list(summary) == ["llama/cot/fp32-master"]
+        and summary["llama/cot/fp32-master"]["n_seeds"] == 1
+    )
+    assert summary["llama/cot/fp32-master"]["attention_loss_tail_mean"] == pytest.approx(
+        result["attention_loss_tail"], abs=1e-4
+    )
     for name in ("table.csv", "table.md", "figure.html", "runs.csv", "paired.csv"):
         assert (tmp_path / "report" / name).is_file()
     # an evaluation written before the median was recorded gets it from its per-event table
     evaluation = json.loads((tmp_path / "s0" / EVALUATION_FILE).read_text())
-    (tmp_path / "s0" / EVALUATION_FILE).write_text(json.dumps({k: v for k, v in evaluation.items() if k != "causal_recovery_median"}))
-    assert load_evaluations([tmp_path / "s0"])["causal_recovery_median"][0] == result["causal_recovery_median"]
+    (tmp_path / "s0" / EVALUATION_FILE).write_text(
+        json.dumps({k: v for k, v in evaluation.items() if k != "causal_recovery_median"})
+    )
+    assert (
+        load_evaluations([tmp_path / "s0"])["causal_recovery_median"][0]
+        == result["causal_recovery_median"]
+    )
     # aggregation over seeds: mean and sample std per cell
-    rows = [{**result, "seed": s, "code_f1": f, "causal_recovery": r} for s, f, r in ((0, 0.2, 0.1), (1, 0.4, 0.5))]
+    rows = [
+        {**result, "seed": s, "code_f1": f, "causal_recovery": r}
+        for s, f, r in ((0, 0.2, 0.1), (1, 0.4, 0.5))
+    ]
     table = summarise(pd.DataFrame(rows))
-    assert table["code_f1_mean"][0] == pytest.approx(0.3) and table["code_f1_std"][0] == pytest.approx(0.1414, abs=1e-4)
+    assert table["code_f1_mean"][0] == pytest.approx(0.3) and table["code_f1_std"][
+        0
+    ] == pytest.approx(0.1414, abs=1e-4)
     assert table["causal_recovery_mean"][0] == pytest.approx(0.3) and table["n_seeds"][0] == 2
 
 
@@ -435,7 +641,9 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
 
 def base_student(family, out):
     tokenizer = family_tokenizer(family)
-    config = student_config(family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32)
+    config = student_config(
+        family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32
+    )
     model = build_student(config, seed=11)
     save_checkpoint(model, tokenizer, out, {"role": "student", "step": 7})
     return out
@@ -443,7 +651,9 @@ def base_student(family, out):
 
 def test_student_init_starts_from_the_base_weights(teacher, examples, tmp_path):
     base = base_student("llama", tmp_path / "base")
-    config = DistillConfig(**{**TINY, "family": "llama", "objective": "mistill", "student_init": str(base)})
+    config = DistillConfig(
+        **{**TINY, "family": "llama", "objective": "mistill", "student_init": str(base)}
+    )
     started = weights(base)
     initial = exportable(initial_student(config)).state_dict()
     assert all(torch.equal(started[k], initial[k]) for k in started)
@@ -452,7 +662,9 @@ def test_student_init_starts_from_the_base_weights(teacher, examples, tmp_path):
     moved = run({"steps": 2, "student_init": str(base)}, teacher, examples, tmp_path / "two")
     assert moved["student_init"]["step"] == 7
     assert run({"steps": 1}, teacher, examples, tmp_path / "fresh").get("student_init") is None
-    assert moved["step"] == 2 and not all(torch.equal(started[k], weights(tmp_path / "two")[k]) for k in started)
+    assert moved["step"] == 2 and not all(
+        torch.equal(started[k], weights(tmp_path / "two")[k]) for k in started
+    )
 
 
 def test_student_init_refuses_another_family_or_architecture(teacher, examples, tmp_path):
@@ -460,7 +672,12 @@ def test_student_init_refuses_another_family_or_architecture(teacher, examples, 
     with pytest.raises(CheckpointError, match="not a llama student"):
         run({"student_init": str(base)}, teacher, examples, tmp_path / "wrong_family")
     with pytest.raises(CheckpointError, match="architecture"):
-        run({"family": "gpt2", "n_embd": 48, "student_init": str(base)}, teacher, examples, tmp_path / "wrong_size")
+        run(
+            {"family": "gpt2", "n_embd": 48, "student_init": str(base)},
+            teacher,
+            examples,
+            tmp_path / "wrong_size",
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -474,6 +691,9 @@ def test_shipped_base_students_load_as_their_family_with_their_training_record(f
     record = read_metadata(path)
     assert record["role"] == "student" and record["config"]["student"] == family
     assert record["step"] == record["config"]["steps"]
-    assert model.config.model_type == family and sum(p.numel() for p in model.parameters()) == record["n_params"]
+    assert (
+        model.config.model_type == family
+        and sum(p.numel() for p in model.parameters()) == record["n_params"]
+    )
     with pytest.raises(CheckpointError, match="not a"):
         load_base_student(path, "gpt2" if family == "llama" else "llama", torch.float32)

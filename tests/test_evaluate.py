@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from mistill_lens import task
-from mistill_lens.task.metrics import Scores, teacher_forced_events
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.task.examples import EVENT_KINDS
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.task.examples import EVENT_KINDS
 from mistill_lens.task.icd import load_universe
+from mistill_lens.task.metrics import Scores, teacher_forced_events
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,13 @@ def _score(examples, rewrite):
 
 def test_reference_outputs_score_perfectly(examples):
     result = _score(examples, lambda ex: ex.output)
-    assert result["code_f1"] == result["region_acc"] == result["near_miss_acc"] == result["exact_match"] == 1.0
+    assert (
+        result["code_f1"]
+        == result["region_acc"]
+        == result["near_miss_acc"]
+        == result["exact_match"]
+        == 1.0
+    )
     assert result["n"] == 40 and result["mentions"] == sum(len(ex.mentions) for ex in examples)
 
 
@@ -36,11 +42,14 @@ def test_a_wrong_sibling_costs_f1_and_near_miss_but_not_region(examples):
     def swap_first_code(ex):
         mention = ex.mentions[0]
         return ex.output.replace(f"code {mention.code}\n", f"code {mention.near_miss}\n").replace(
-            task.CODES_HEADER + mention.code, task.CODES_HEADER + mention.near_miss)
+            task.CODES_HEADER + mention.code, task.CODES_HEADER + mention.near_miss
+        )
 
     result = _score(examples, swap_first_code)
     n_mentions = sum(len(ex.mentions) for ex in examples)
-    assert result["near_miss_acc"] == pytest.approx((n_mentions - len(examples)) / n_mentions, abs=1e-4)
+    assert result["near_miss_acc"] == pytest.approx(
+        (n_mentions - len(examples)) / n_mentions, abs=1e-4
+    )
     assert result["region_acc"] == 1.0
     assert result["code_precision"] < 1.0 and result["code_recall"] < 1.0
 
@@ -90,7 +99,10 @@ def test_teacher_forced_events_have_closed_form_scores(examples):
     encoded = events_from_spans(examples[0], tokenizer, 0)
     region = next(e for e in encoded.events if e.kind == "region")
     fooled = teacher_forced_events(
-        _NextTokenOracle(vocab, {region.predict_position: region.contrast_tokens[0]}), tokenizer, examples[:1])
+        _NextTokenOracle(vocab, {region.predict_position: region.contrast_tokens[0]}),
+        tokenizer,
+        examples[:1],
+    )
     n_region = fooled["region"]["n"]
     assert fooled["region"]["acc"] == pytest.approx((n_region - 1) / n_region, abs=1e-4)
     assert fooled["region"]["margin"] == pytest.approx(4.0 * (n_region - 2) / n_region, abs=1e-4)
@@ -105,7 +117,9 @@ def test_shipped_teacher_selects_from_the_context_on_heldout_codes():
 
     model, tokenizer = load_hf_model("default")
     config = read_metadata("default")["config"]
-    heldout = task.generate_examples(48, 7, "heldout", k=config["k"], max_mentions=config["max_mentions"])
+    heldout = task.generate_examples(
+        48, 7, "heldout", k=config["k"], max_mentions=config["max_mentions"]
+    )
     scores = teacher_forced_events(model.eval(), tokenizer, heldout)
     assert scores["region"]["acc"] > 0.85
     assert scores["near_miss"]["acc"] > 0.55

@@ -1,21 +1,33 @@
 import pytest
 import torch
+from conftest import head_ablation_effects
+from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 
 from mistill_lens.lens.events import decision_margins, position_class_names
 from mistill_lens.lens.hooks import (
-    ablate_all_but_hooks, all_heads, attribution_scores, collect_z, compute_head_means, event_position_classes,
-    gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
+    ablate_all_but_hooks,
+    all_heads,
+    attribution_scores,
+    collect_z,
+    compute_head_means,
+    event_position_classes,
+    gather_at_positions,
+    knock_in_hooks,
+    mean_ablation_hooks,
+    run_margins,
+    validate_heads,
 )
-from conftest import head_ablation_effects
-
-from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 
 
 @pytest.fixture(scope="module")
 def random_setup(random_bridge, planted_data):
     reference = planted_data["reference_batch"]
-    means = compute_head_means(random_bridge, reference.tokens, event_position_classes(reference),
-                               position_class_names(reference.kinds))
+    means = compute_head_means(
+        random_bridge,
+        reference.tokens,
+        event_position_classes(reference),
+        position_class_names(reference.kinds),
+    )
     return random_bridge, planted_data["batch"], means
 
 
@@ -28,11 +40,15 @@ def test_mean_ablation_equals_a_handwritten_hook(random_setup, planted_data):
     model, batch, means = random_setup
     reference = planted_data["reference_batch"]
     heads = [(0, 1), (2, 3), (2, 0)]
-    _, cache = model.run_with_cache(reference.tokens, names_filter=lambda n: n.endswith("attn.hook_z"))
+    _, cache = model.run_with_cache(
+        reference.tokens, names_filter=lambda n: n.endswith("attn.hook_z")
+    )
     rows = torch.arange(len(reference))
     handwritten_means = {}
     for layer in (0, 2):
-        at_event = cache[f"blocks.{layer}.attn.hook_z"][rows, reference.predict_positions]  # [event, head, d_head]
+        at_event = cache[f"blocks.{layer}.attn.hook_z"][
+            rows, reference.predict_positions
+        ]  # [event, head, d_head]
         for kind in ("region", "within"):
             picked = torch.tensor([k == kind for k in reference.kinds])
             handwritten_means[layer, kind] = at_event[picked].mean(dim=0)
@@ -40,15 +56,22 @@ def test_mean_ablation_equals_a_handwritten_hook(random_setup, planted_data):
     def handwritten(layer):
         def hook(act, hook):
             act = act.clone()
-            for row, (position, kind) in enumerate(zip(batch.predict_positions.tolist(), batch.kinds)):
+            for row, (position, kind) in enumerate(
+                zip(batch.predict_positions.tolist(), batch.kinds)
+            ):
                 for l, h in heads:
                     if l == layer:
                         act[row, position, h] = handwritten_means[layer, kind][h]
             return act
+
         return hook
 
-    expected = logits_with(model, batch.tokens, [(f"blocks.{l}.attn.hook_z", handwritten(l)) for l in (0, 2)])
-    ours = logits_with(model, batch.tokens, mean_ablation_hooks(model, heads, means, event_position_classes(batch)))
+    expected = logits_with(
+        model, batch.tokens, [(f"blocks.{l}.attn.hook_z", handwritten(l)) for l in (0, 2)]
+    )
+    ours = logits_with(
+        model, batch.tokens, mean_ablation_hooks(model, heads, means, event_position_classes(batch))
+    )
     clean = logits_with(model, batch.tokens, [])
     assert (expected - clean).abs().max() > 1e-3  # the ablation does something
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)
@@ -59,7 +82,11 @@ def test_knocking_all_heads_of_a_into_a_changes_nothing(random_setup):
     z = collect_z(model, batch.tokens)
     rows = torch.arange(len(batch))
     source = gather_at_positions(z, rows, batch.predict_positions)
-    knocked = logits_with(model, batch.tokens, knock_in_hooks(model, all_heads(model), source, batch.predict_positions))
+    knocked = logits_with(
+        model,
+        batch.tokens,
+        knock_in_hooks(model, all_heads(model), source, batch.predict_positions),
+    )
     torch.testing.assert_close(knocked, logits_with(model, batch.tokens, []), atol=1e-6, rtol=0)
 
 
@@ -67,7 +94,9 @@ def test_ablating_no_heads_or_no_positions_changes_nothing(random_setup):
     model, batch, means = random_setup
     assert ablate_all_but_hooks(model, all_heads(model), means, event_position_classes(batch)) == []
     nowhere = torch.full(batch.tokens.shape, -1)
-    untouched = logits_with(model, batch.tokens, mean_ablation_hooks(model, all_heads(model), means, nowhere))
+    untouched = logits_with(
+        model, batch.tokens, mean_ablation_hooks(model, all_heads(model), means, nowhere)
+    )
     torch.testing.assert_close(untouched, logits_with(model, batch.tokens, []), atol=0, rtol=0)
 
 
@@ -79,17 +108,30 @@ def test_hooks_compose_in_either_order_where_they_commute(random_setup):
     both = mean_ablation_hooks(model, [(0, 1), (0, 2), (1, 3)], means, classes)
     donors = torch.roll(torch.arange(len(batch)), 1)
     z = collect_z(model, batch.tokens)
-    knock = knock_in_hooks(model, [(2, 0), (2, 2)], gather_at_positions(z, donors, batch.predict_positions[donors]),
-                           batch.predict_positions)
+    knock = knock_in_hooks(
+        model,
+        [(2, 0), (2, 2)],
+        gather_at_positions(z, donors, batch.predict_positions[donors]),
+        batch.predict_positions,
+    )
     reference = logits_with(model, batch.tokens, [*both, *knock])
-    for order in ([*ablate_a, *ablate_b, *knock], [*knock, *ablate_b, *ablate_a], [*ablate_b, *knock, *ablate_a]):
-        torch.testing.assert_close(logits_with(model, batch.tokens, order), reference, atol=1e-6, rtol=0)
+    for order in (
+        [*ablate_a, *ablate_b, *knock],
+        [*knock, *ablate_b, *ablate_a],
+        [*ablate_b, *knock, *ablate_a],
+    ):
+        torch.testing.assert_close(
+            logits_with(model, batch.tokens, order), reference, atol=1e-6, rtol=0
+        )
     # a sufficiency run is the complement ablation, whatever order it is built in
     keep = [(1, 0), (2, 1)]
     others = [h for h in all_heads(model) if h not in keep]
     torch.testing.assert_close(
         logits_with(model, batch.tokens, ablate_all_but_hooks(model, keep, means, classes)),
-        logits_with(model, batch.tokens, mean_ablation_hooks(model, others[::-1], means, classes)), atol=1e-6, rtol=0)
+        logits_with(model, batch.tokens, mean_ablation_hooks(model, others[::-1], means, classes)),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 def test_bad_input_gives_clear_errors(random_setup, planted_data):
@@ -108,11 +150,23 @@ def test_bad_input_gives_clear_errors(random_setup, planted_data):
     with pytest.raises(ValueError, match="positions were given"):
         run_margins(model, batch, mean_ablation_hooks(model, [(0, 0)], means, classes[:, :-1]))
     with pytest.raises(IndexError, match="outside"):
-        run_margins(model, batch, knock_in_hooks(model, [(0, 0)], torch.zeros(3, len(batch), 4, 8),
-                                                 batch.predict_positions + 100))
+        run_margins(
+            model,
+            batch,
+            knock_in_hooks(
+                model, [(0, 0)], torch.zeros(3, len(batch), 4, 8), batch.predict_positions + 100
+            ),
+        )
     reference = planted_data["reference_batch"]
-    names = ("region", "within", "near_miss", "null")  # near_miss: a class none of the reference positions has
-    with_empty = compute_head_means(model, reference.tokens, event_position_classes(reference, names), names)
+    names = (
+        "region",
+        "within",
+        "near_miss",
+        "null",
+    )  # near_miss: a class none of the reference positions has
+    with_empty = compute_head_means(
+        model, reference.tokens, event_position_classes(reference, names), names
+    )
     with pytest.raises(ValueError, match="no reference positions"):
         mean_ablation_hooks(model, [(0, 0)], with_empty, torch.full_like(classes, 2))
 
@@ -127,7 +181,9 @@ def test_attribution_matches_a_finite_difference(random_setup):
     def toward_mean(act, hook):
         act = act.clone()
         current = act[rows, batch.predict_positions, head]
-        act[rows, batch.predict_positions, head] = current + step * (means.means[class_index, layer, head] - current)
+        act[rows, batch.predict_positions, head] = current + step * (
+            means.means[class_index, layer, head] - current
+        )
         return act
 
     clean = run_margins(model, batch)
@@ -144,17 +200,33 @@ def test_planted_heads_have_their_exact_effects(planted, planted_data):
     """Mean-ablating the decider at "=" leaves gain * (f_chosen - f_contrast) of its contribution,
     f being the reference frequency of each region; attribution is exact on this linear model."""
     bridge, _ = planted
-    batch, means, reference = planted_data["batch"], planted_data["means"], planted_data["reference_batch"]
+    batch, means, reference = (
+        planted_data["batch"],
+        planted_data["means"],
+        planted_data["reference_batch"],
+    )
     exact = head_ablation_effects(bridge, batch, means)
     attribution = attribution_scores(bridge, batch, means)
     torch.testing.assert_close(attribution, exact, atol=1e-4, rtol=0)
 
-    for kind, head, gain in (("region", DECIDER, REGION_GAIN), ("region", GENERIC, GENERIC_GAIN), ("within", WITHIN, WITHIN_GAIN)):
+    for kind, head, gain in (
+        ("region", DECIDER, REGION_GAIN),
+        ("region", GENERIC, GENERIC_GAIN),
+        ("within", WITHIN, WITHIN_GAIN),
+    ):
         freq = reference_frequencies(reference, kind)
         rows = [i for i, k in enumerate(batch.kinds) if k == kind]
-        expected = torch.tensor([
-            gain * (1 - freq.get(int(batch.chosen[i]), 0.0) + freq.get(int(batch.contrast[i, 0]), 0.0)) for i in rows
-        ])
+        expected = torch.tensor(
+            [
+                gain
+                * (
+                    1
+                    - freq.get(int(batch.chosen[i]), 0.0)
+                    + freq.get(int(batch.contrast[i, 0]), 0.0)
+                )
+                for i in rows
+            ]
+        )
         torch.testing.assert_close(exact[rows, head[0], head[1]], expected, atol=1e-4, rtol=0)
     within_rows = [i for i, k in enumerate(batch.kinds) if k == "within"]
     region_rows = [i for i, k in enumerate(batch.kinds) if k == "region"]
@@ -169,40 +241,70 @@ def test_planted_knock_in_transfers_exactly_the_deciders_share(planted, planted_
     z = collect_z(bridge, batch.tokens)
     donors = torch.roll(torch.arange(len(batch)), 1)
     distinct = batch.chosen[donors] != batch.chosen
-    hooks = knock_in_hooks(bridge, [DECIDER], gather_at_positions(z, donors, batch.predict_positions[donors]),
-                           batch.predict_positions)
+    hooks = knock_in_hooks(
+        bridge,
+        [DECIDER],
+        gather_at_positions(z, donors, batch.predict_positions[donors]),
+        batch.predict_positions,
+    )
     with torch.no_grad():
         logits = bridge.run_with_hooks(batch.tokens, fwd_hooks=hooks)
         clean_logits = bridge(batch.tokens)
     from mistill_lens.lens.events import margins_at
+
     donor_choice = (batch.predict_positions, batch.chosen[donors], batch.contrast[donors])
     before = margins_at(clean_logits, *donor_choice)
     after = margins_at(logits, *donor_choice)
     donor_own = decision_margins(clean_logits, batch)[donors]
     transfer = (after - before) / (donor_own - before)
-    torch.testing.assert_close(transfer[distinct], torch.full((int(distinct.sum()),), REGION_GAIN / (REGION_GAIN + GENERIC_GAIN)),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        transfer[distinct],
+        torch.full((int(distinct.sum()),), REGION_GAIN / (REGION_GAIN + GENERIC_GAIN)),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_the_same_hooks_work_on_a_llama_bridge_with_grouped_kv_heads(planted, planted_data):
     """The student family: rotary, RMSNorm, 4 query heads sharing 2 key/value heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformer_lens import TransformerBridge
-    from mistill_lens.lens.hooks import means_from_events
     from planted import VOCAB
+    from transformer_lens import TransformerBridge
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mistill_lens.lens.hooks import means_from_events
+
     _, tokenizer = planted
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = TransformerBridge.boot_transformers("llama", hf_model=LlamaForCausalLM(config).eval(), tokenizer=tokenizer,
-                                                device="cpu", dtype=torch.float32)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = TransformerBridge.boot_transformers(
+        "llama",
+        hf_model=LlamaForCausalLM(config).eval(),
+        tokenizer=tokenizer,
+        device="cpu",
+        dtype=torch.float32,
+    )
     batch = planted_data["batch"].select(range(8))
     means = means_from_events(model, batch)
     z = collect_z(model, batch.tokens)
     assert z.shape[:2] == (2, 8) and z.shape[3] == 4
     rows = torch.arange(len(batch))
-    same = knock_in_hooks(model, all_heads(model), gather_at_positions(z, rows, batch.predict_positions), batch.predict_positions)
-    torch.testing.assert_close(run_margins(model, batch, same), run_margins(model, batch), atol=1e-6, rtol=0)
+    same = knock_in_hooks(
+        model,
+        all_heads(model),
+        gather_at_positions(z, rows, batch.predict_positions),
+        batch.predict_positions,
+    )
+    torch.testing.assert_close(
+        run_margins(model, batch, same), run_margins(model, batch), atol=1e-6, rtol=0
+    )
     exact = head_ablation_effects(model, batch, means)
     attribution = attribution_scores(model, batch, means)
     assert exact.abs().max() > 1e-3

@@ -41,14 +41,19 @@ def test_the_lens_imports_no_task_cli_or_icd_code():
 def test_wings_have_no_import_cycle():
     graph = {wing: set() for wing in WINGS}
     for path in modules():
-        source = wing_of("mistill_lens." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts))
+        source = wing_of(
+            "mistill_lens." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        )
         for module in imported_modules(path):
             target = wing_of(module)
             if source and target and target != source:
                 graph[source].add(target)
 
     def reaches(start, goal, seen=()):
-        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt))) for nxt in graph[start])
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt)))
+            for nxt in graph[start]
+        )
 
     assert not [wing for wing in WINGS if reaches(wing, wing)], graph
     assert "cli" not in set().union(*graph.values()), "nothing imports the command line"
@@ -69,15 +74,23 @@ def test_only_the_command_line_parses_arguments_prints_or_exits():
 
 
 def test_loading_a_checkpoint_or_the_lens_does_not_import_the_task():
-    probe = ("import sys, mistill_lens.lens.characterize, mistill_lens.models.checkpoints, mistill_lens.models.students;"
-             "print(sorted(m for m in sys.modules if m.startswith(('mistill_lens.task', 'simple_icd_10_cm'))))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    probe = (
+        "import sys, mistill_lens.lens.characterize, mistill_lens.models.checkpoints, mistill_lens.models.students;"
+        "print(sorted(m for m in sys.modules if m.startswith(('mistill_lens.task', 'simple_icd_10_cm'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 
 def test_the_public_api_resolves_lazily():
-    probe = ("import sys, mistill_lens as ml; heavy = 'torch' in sys.modules;"
-             "[getattr(ml, name) for name in ml.__all__]; print(heavy, len(ml.__all__))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    probe = (
+        "import sys, mistill_lens as ml; heavy = 'torch' in sys.modules;"
+        "[getattr(ml, name) for name in ml.__all__]; print(heavy, len(ml.__all__))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
     heavy, count = result.stdout.split()
     assert heavy == "False" and int(count) > 40

@@ -1,12 +1,17 @@
 """Checkpoints: exact save/load, clear errors for corrupt or mismatched folders, bridging."""
 
-
 import pytest
 import torch
 from transformer_lens.utilities import get_act_name
 from transformers import GPT2LMHeadModel
 
-from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, save_checkpoint, teacher_config, to_bridge
+from mistill_lens.models.checkpoints import (
+    CheckpointError,
+    load_hf_model,
+    save_checkpoint,
+    teacher_config,
+    to_bridge,
+)
 from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 
 
@@ -14,13 +19,18 @@ from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 def checkpoint(tmp_path):
     tokenizer = teacher_tokenizer()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
+    model = GPT2LMHeadModel(
+        teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    ).eval()
     path = save_checkpoint(model, tokenizer, tmp_path / "ckpt", {"seed": 0})
     return model, tokenizer, path
 
 
 def _ids(tokenizer):
-    return tokenizer("Summary: Admitted with gas gangrene.\nCandidates:\nA48.0: gas gangrene\n", return_tensors="pt")["input_ids"]
+    return tokenizer(
+        "Summary: Admitted with gas gangrene.\nCandidates:\nA48.0: gas gangrene\n",
+        return_tensors="pt",
+    )["input_ids"]
 
 
 def test_save_load_reproduces_logits_exactly(checkpoint):

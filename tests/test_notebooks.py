@@ -15,13 +15,18 @@ def characterised_the_teacher(namespace: dict, figures: set[str]) -> None:
 
 def distilled_a_student(namespace: dict, figures: set[str]) -> None:
     assert {"notebook_alignment.html", "notebook_student_attention.html"} <= figures
-    assert float(namespace["student_row"].sum()) == pytest.approx(1.0, abs=1e-5)  # the target is a distribution
+    assert float(namespace["student_row"].sum()) == pytest.approx(
+        1.0, abs=1e-5
+    )  # the target is a distribution
     kl = {name: value for name, (_, value) in namespace["rows"].items()}
     # MISTILL moves the student's attention at the events to the target; the CoT run (lambda = 0) does not
     assert kl["mistill"] < 0.5 * kl["base"] and kl["mistill"] < 0.5 * kl["cot"]
 
 
-CHECKS = {"characterise_the_teacher": characterised_the_teacher, "distil_a_student": distilled_a_student}
+CHECKS = {
+    "characterise_the_teacher": characterised_the_teacher,
+    "distil_a_student": distilled_a_student,
+}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

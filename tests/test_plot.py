@@ -3,25 +3,49 @@ import json
 import pandas as pd
 import pytest
 import torch
+from planted import DECIDER, WITHIN, planted_examples
 
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.characterize import CharacterizeConfig, characterize, rank_correlation
 
-from planted import DECIDER, WITHIN, planted_examples
-
 
 def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
-    calibration = Calibration(("region", "within"), torch.rand(2, 2, 3), torch.rand(2, 3), torch.rand(2, 3), 1e-2)
-    curve = pd.DataFrame({"order": ["by score", "random"] * 2, "n_ablated": [0, 0, 1, 1], "kind": "region",
-                          "fraction_kept": [1.0, 1.0, 0.2, 0.9]})
-    families = pd.DataFrame({"kind": ["region"], "layer": [0], "head": [1], "ratio_region_candidates": [5.0],
-                             "ratio_near_miss_mention": [0.5]})
-    elicitation = pd.DataFrame({"k": [1, 1, 2], "stage": [0, 1, 1], "stage_name": ["a", "b", "b"],
-                                "method": "probe", "accuracy": [0.3, 1.0, 0.8], "chance": 0.2})
+    calibration = Calibration(
+        ("region", "within"), torch.rand(2, 2, 3), torch.rand(2, 3), torch.rand(2, 3), 1e-2
+    )
+    curve = pd.DataFrame(
+        {
+            "order": ["by score", "random"] * 2,
+            "n_ablated": [0, 0, 1, 1],
+            "kind": "region",
+            "fraction_kept": [1.0, 1.0, 0.2, 0.9],
+        }
+    )
+    families = pd.DataFrame(
+        {
+            "kind": ["region"],
+            "layer": [0],
+            "head": [1],
+            "ratio_region_candidates": [5.0],
+            "ratio_near_miss_mention": [0.5],
+        }
+    )
+    elicitation = pd.DataFrame(
+        {
+            "k": [1, 1, 2],
+            "stage": [0, 1, 1],
+            "stage_name": ["a", "b", "b"],
+            "method": "probe",
+            "accuracy": [0.3, 1.0, 0.8],
+            "chance": 0.2,
+        }
+    )
     figures = {
-        "maps.html": plot.head_map_figure(calibration), "curve.html": plot.ablation_curve_figure(curve),
-        "families.html": plot.attention_families_figure(families), "early.html": plot.elicitation_figure(elicitation),
+        "maps.html": plot.head_map_figure(calibration),
+        "curve.html": plot.ablation_curve_figure(curve),
+        "families.html": plot.attention_families_figure(families),
+        "early.html": plot.elicitation_figure(elicitation),
     }
     for name, figure in figures.items():
         written = plot.write_figure(figure, tmp_path / name)
@@ -35,24 +59,44 @@ def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
 
 
 def test_rank_correlation():
-    assert rank_correlation(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 35.0])) == pytest.approx(1.0)
-    assert rank_correlation(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])) == pytest.approx(-1.0)
+    assert rank_correlation(
+        torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 35.0])
+    ) == pytest.approx(1.0)
+    assert rank_correlation(
+        torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])
+    ) == pytest.approx(-1.0)
 
 
 def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, ks=(1, 2, 3), progress=False, elicitation_kind="region")
-    mention = lambda example, event: event.chosen if event.kind == "region" else None
-    summary = characterize(bridge, tokenizer, planted_examples(20, seed=0), planted_examples(40, seed=1), tmp_path,
-                           config, near_miss_text=mention)
+
+    def mention(example, event):
+        return event.chosen if event.kind == "region" else None
+
+    summary = characterize(
+        bridge,
+        tokenizer,
+        planted_examples(20, seed=0),
+        planted_examples(40, seed=1),
+        tmp_path,
+        config,
+        near_miss_text=mention,
+    )
     assert summary["circuit_size"] == 2 and summary["circuit"] == [list(DECIDER), list(WITHIN)]
     assert summary["n_heads_total"] == 8
-    assert summary["top_heads"]["region"][0]["layer"] == DECIDER[0] and summary["top_heads"]["region"][0]["head"] == DECIDER[1]
+    assert (
+        summary["top_heads"]["region"][0]["layer"] == DECIDER[0]
+        and summary["top_heads"]["region"][0]["head"] == DECIDER[1]
+    )
     assert summary["within"]["sufficiency"] == pytest.approx(1.0, abs=1e-4)
     assert summary["within"]["knock_in"] == pytest.approx(1.0, abs=1e-4)
     assert summary["region"]["knock_in"] == pytest.approx(1 / 3, abs=1e-4)
-    assert summary["within"]["coverage"] == {"necessity": pytest.approx(summary["within"]["coverage"]["necessity"]),
-                                             "sufficiency": 1.0, "knock_in": 1.0}
+    assert summary["within"]["coverage"] == {
+        "necessity": pytest.approx(summary["within"]["coverage"]["necessity"]),
+        "sufficiency": 1.0,
+        "knock_in": 1.0,
+    }
     # attribution is exact on this linear model; the rank correlation is below 1 only through ties
     # among the many zero-effect heads, ordered by float noise
     attribution = pd.read_csv(tmp_path / "attribution.csv")
@@ -64,12 +108,24 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     assert [(h["layer"], h["head"]) for h in heads["region"]] == [DECIDER]
     assert heads["region"][0]["z"] > 50 and "null_std" in heads["region"][0]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["circuit_size"] == 2 and set(on_disk["region"]) >= {"necessity", "sufficiency", "knock_in", "coverage"}
+    assert on_disk["circuit_size"] == 2 and set(on_disk["region"]) >= {
+        "necessity",
+        "sufficiency",
+        "knock_in",
+        "coverage",
+    }
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert len(sweep) == 8 * summary["n_decided_events"]
     for name in ("head_maps", "ablation_curve", "attention_families", "elicitation"):
         assert (tmp_path / "figures" / f"{name}.html").exists()
     # deterministic, and the sweeps resume from the files already written
-    again = characterize(bridge, tokenizer, planted_examples(20, seed=0), planted_examples(40, seed=1), tmp_path,
-                         config, near_miss_text=mention)
+    again = characterize(
+        bridge,
+        tokenizer,
+        planted_examples(20, seed=0),
+        planted_examples(40, seed=1),
+        tmp_path,
+        config,
+        near_miss_text=mention,
+    )
     assert again == summary

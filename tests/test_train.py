@@ -7,27 +7,53 @@ import pytest
 import torch
 
 import mistill_lens.training.loop as train_module
-from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens import task
-from mistill_lens.training.loop import TrainConfig, build_model, collate, encode, event_token_mask, train
+from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.training.loop import (
+    TrainConfig,
+    build_model,
+    collate,
+    encode,
+    event_token_mask,
+    train,
+)
 
-TINY = TrainConfig(seed=3, steps=8, batch_size=2, lr=3e-3, warmup_steps=2, universe_size=300, k=8,
-                   max_mentions=1, n_layer=1, n_head=2, n_embd=32, checkpoint_every=4)
+TINY = TrainConfig(
+    seed=3,
+    steps=8,
+    batch_size=2,
+    lr=3e-3,
+    warmup_steps=2,
+    universe_size=300,
+    k=8,
+    max_mentions=1,
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    checkpoint_every=4,
+)
 
 
 def test_loss_mask_covers_exactly_the_output_and_end_of_text():
     tokenizer = teacher_tokenizer()
     ids, targets = encode(tokenizer, "Summary: x\nReasoning:\n", "- x => y\n")
-    assert tokenizer.decode([i for i, t in zip(ids, targets) if t]) == "- x => y\n" + tokenizer.eos_token
-    batch, attention, target_mask = collate([(ids, targets), (ids[:3], targets[:3])], tokenizer.pad_token_id)
+    assert (
+        tokenizer.decode([i for i, t in zip(ids, targets) if t])
+        == "- x => y\n" + tokenizer.eos_token
+    )
+    batch, attention, target_mask = collate(
+        [(ids, targets), (ids[:3], targets[:3])], tokenizer.pad_token_id
+    )
     assert batch.shape == (2, len(ids)) and attention[1].sum() == 3 and not target_mask[1].any()
 
 
 def test_a_tiny_teacher_learns(tmp_path):
     config = replace(TINY, steps=80, batch_size=4, n_layer=2, n_embd=64, checkpoint_every=80)
     metadata = train(config, tmp_path / "run", progress=False)
-    losses = torch.load(tmp_path / "run" / train_module.TRAINING_STATE_FILE, weights_only=False)["losses"]
+    losses = torch.load(tmp_path / "run" / train_module.TRAINING_STATE_FILE, weights_only=False)[
+        "losses"
+    ]
     assert metadata["step"] == 80 and len(losses) == 80
     # chance is ln(vocab) ~ 8.2; the trace's fixed wording alone is learnable within 80 steps
     assert losses[0] > 7.5
@@ -68,7 +94,9 @@ def test_init_from_starts_at_the_given_weights(tmp_path):
     train(replace(TINY, steps=4), tmp_path / "base", progress=False)
     more_config = replace(TINY, steps=1, seed=4, init_from=str(tmp_path / "base"))
     base, _ = load_hf_model(tmp_path / "base")
-    more = build_model(more_config, teacher_tokenizer())  # the weights step 0 of that run starts from
+    more = build_model(
+        more_config, teacher_tokenizer()
+    )  # the weights step 0 of that run starts from
     for (name, a), (_, b) in zip(base.state_dict().items(), more.state_dict().items()):
         assert torch.equal(a, b), name
     metadata = train(more_config, tmp_path / "more", progress=False)
@@ -82,12 +110,16 @@ def test_event_mask_marks_exactly_the_gold_decision_tokens():
         mask = event_token_mask(tokenizer, example)
         marked = [tokenizer.decode([i]) for i, m in zip(ids, mask) if m]
         # a within event and a sibling near-miss event share their token
-        assert sorted(marked) == sorted(chosen for _, chosen in {(e.start, e.chosen) for e in example.events})
+        assert sorted(marked) == sorted(
+            chosen for _, chosen in {(e.start, e.chosen) for e in example.events}
+        )
 
 
 def test_event_weight_changes_training_and_weight_one_is_the_plain_loss(tmp_path):
     plain = train(replace(TINY, steps=3), tmp_path / "plain", progress=False)
-    weighted = train(replace(TINY, steps=3, event_weight=5.0), tmp_path / "weighted", progress=False)
+    weighted = train(
+        replace(TINY, steps=3, event_weight=5.0), tmp_path / "weighted", progress=False
+    )
     assert plain["final_loss"] != weighted["final_loss"]
 
 
@@ -106,10 +138,14 @@ def test_device_option_resolves_and_refuses_a_missing_accelerator(tmp_path, monk
 def test_a_base_student_trains_with_its_family_architecture_and_tokenizer(tmp_path, family):
     from mistill_lens.models.students import family_tokenizer
 
-    config = replace(TINY, steps=30, batch_size=4, n_layer=2, n_embd=32, checkpoint_every=30, student=family)
+    config = replace(
+        TINY, steps=30, batch_size=4, n_layer=2, n_embd=32, checkpoint_every=30, student=family
+    )
     metadata = train(config, tmp_path / "base", progress=False)
     model, tokenizer = load_hf_model(tmp_path / "base")
-    losses = torch.load(tmp_path / "base" / train_module.TRAINING_STATE_FILE, weights_only=False)["losses"]
+    losses = torch.load(tmp_path / "base" / train_module.TRAINING_STATE_FILE, weights_only=False)[
+        "losses"
+    ]
     assert metadata["role"] == "student" and model.config.model_type == family
     assert tokenizer.get_vocab() == family_tokenizer(family).get_vocab()
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0]  # ln(vocab) at the start
@@ -122,7 +158,9 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
     from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
     from mistill_lens.training.loop import _lora_model
 
-    config = replace(TINY, base="smollm2", steps=1, batch_size=1, warmup_steps=1, k=4, n_layer=4, lr=1e-3)
+    config = replace(
+        TINY, base="smollm2", steps=1, batch_size=1, warmup_steps=1, k=4, n_layer=4, lr=1e-3
+    )
     metadata = train(config, tmp_path / "lora", progress=False)
     files = {p.name for p in (tmp_path / "lora").iterdir()}
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
@@ -132,8 +170,12 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
     example = task.generate_examples(1, 0, "heldout", universe_size=300, k=4, max_mentions=1)[0]
     ids = torch.tensor([encode(tokenizer, example.prompt, example.output)[0]])
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, adapter(input_ids=ids).logits, atol=2e-4, rtol=0)
-    assert train(config, tmp_path / "lora", progress=False)["step"] == 1  # finished: resumed, nothing to do
+        torch.testing.assert_close(
+            merged(ids).logits, adapter(input_ids=ids).logits, atol=2e-4, rtol=0
+        )
+    assert (
+        train(config, tmp_path / "lora", progress=False)["step"] == 1
+    )  # finished: resumed, nothing to do
     weights = tmp_path / "lora" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="adapter could not be loaded"):

@@ -4,12 +4,19 @@
 import json
 
 import pytest
+from planted import (
+    DECIDER,
+    GENERIC,
+    GENERIC_GAIN,
+    REGION_GAIN,
+    planted_examples,
+    planted_hf_model,
+    planted_tokenizer,
+)
 
 from mistill_lens import cli
 from mistill_lens.lens.examples import read_examples
 from mistill_lens.models.checkpoints import save_checkpoint
-
-from planted import DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, planted_examples, planted_hf_model, planted_tokenizer
 
 
 def short_answer_examples(n: int, seed: int) -> list[dict]:
@@ -19,10 +26,24 @@ def short_answer_examples(n: int, seed: int) -> list[dict]:
     for example in planted_examples(n, seed):
         region = example["events"][0]
         text = example["prompt"] + example["output"]
-        prompt, answer = text[:region["start"]], region["chosen"]
-        rows.append({"id": f"q{seed}-{len(rows)}", "prompt": prompt, "output": answer, "events": [
-            {"kind": "answer", "start": len(prompt), "end": len(prompt) + len(answer), "chosen": answer,
-             "contrast": region["contrast"], "region": region["region"]}]})
+        prompt, answer = text[: region["start"]], region["chosen"]
+        rows.append(
+            {
+                "id": f"q{seed}-{len(rows)}",
+                "prompt": prompt,
+                "output": answer,
+                "events": [
+                    {
+                        "kind": "answer",
+                        "start": len(prompt),
+                        "end": len(prompt) + len(answer),
+                        "chosen": answer,
+                        "contrast": region["contrast"],
+                        "region": region["region"],
+                    }
+                ],
+            }
+        )
     return rows
 
 
@@ -32,21 +53,42 @@ def write(rows, path):
 
 
 def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
-    model_dir = save_checkpoint(planted_hf_model(), planted_tokenizer(tmp_path / "tok"), tmp_path / "model", {})
+    model_dir = save_checkpoint(
+        planted_hf_model(), planted_tokenizer(tmp_path / "tok"), tmp_path / "model", {}
+    )
     examples = write(short_answer_examples(24, seed=0), tmp_path / "questions.jsonl")
     reference = write(short_answer_examples(40, seed=1), tmp_path / "reference.jsonl")
     assert {e.kind for x in read_examples(examples) for e in x.events} == {"answer"}
-    cli.main(["characterize", "--model", str(model_dir), "--examples", str(examples), "--reference", str(reference),
-              "--out", str(tmp_path / "char"), "--z-min", "3", "--no-progress"])
+    cli.main(
+        [
+            "characterize",
+            "--model",
+            str(model_dir),
+            "--examples",
+            str(examples),
+            "--reference",
+            str(reference),
+            "--out",
+            str(tmp_path / "char"),
+            "--z-min",
+            "3",
+            "--no-progress",
+        ]
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((tmp_path / "char" / "summary.json").read_text())
     assert summary["answer"]["n_events"] == 24 and summary["n_null_events"] == 24
     # the deciding head is found, the previous-token head (as strong on null tokens) is discounted
     assert printed["circuit"] == summary["circuit"] == [list(DECIDER)]
-    assert summary["top_heads"]["answer"][0]["layer"] == DECIDER[0] and summary["top_heads"]["answer"][0]["head"] == DECIDER[1]
+    assert (
+        summary["top_heads"]["answer"][0]["layer"] == DECIDER[0]
+        and summary["top_heads"]["answer"][0]["head"] == DECIDER[1]
+    )
     assert list(GENERIC) not in summary["circuit"]
     # closed form: the decider carries REGION_GAIN of the margin, the previous-token head the rest
-    assert summary["answer"]["necessity"] == pytest.approx(REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=0.01)
+    assert summary["answer"]["necessity"] == pytest.approx(
+        REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=0.01
+    )
     assert summary["families"]["L0H0/answer"] == "region_candidates"
     assert summary["elicitation"] == {"skipped": "no elicitation_kind configured"}
     assert summary["examples"] == str(examples) and summary["warnings"] == []
@@ -56,11 +98,21 @@ def test_bad_example_files_name_the_line(tmp_path, capsys):
     rows = short_answer_examples(3, seed=0)
     rows[1]["events"][0]["chosen"] = "R9"
     path = write(rows, tmp_path / "bad.jsonl")
-    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: event 0: .* not its chosen text 'R9'"):
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl, line 2: event 0: .* not its chosen text 'R9'"
+    ):
         read_examples(path)
     del rows[1]["events"][0]["contrast"]
     with pytest.raises(ValueError, match=r"line 2: event 0 is missing field\(s\) \['contrast'\]"):
         read_examples(write(rows, tmp_path / "bad.jsonl"))
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["characterize", "--examples", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")])
+        cli.main(
+            [
+                "characterize",
+                "--examples",
+                str(tmp_path / "none.jsonl"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
     assert exit_.value.code == 2 and "examples file" in capsys.readouterr().err

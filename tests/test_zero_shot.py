@@ -15,12 +15,20 @@ pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e
 from mistill_lens import task  # noqa: E402
 from mistill_lens.lens.characterize import CharacterizeConfig, characterize  # noqa: E402
 from mistill_lens.lens.events import events_from_spans, make_event_batch  # noqa: E402
-from mistill_lens.models.gguf import chat_prompt_ids  # noqa: E402
 from mistill_lens.lens.sweep import clean_margins  # noqa: E402
 from mistill_lens.models.generate import verified_greedy
+from mistill_lens.models.gguf import chat_prompt_ids  # noqa: E402
 from mistill_lens.task.zero_shot import (  # noqa: E402
-    ANSWER_PREFIX, SMOLLM2_TASK_DEFAULTS, SYSTEM_MESSAGE, encode_text, load_smollm2_with_draft,
-    note_and_candidate_lines, parse_answer, user_message, zero_shot_example, zero_shot_prompt,
+    ANSWER_PREFIX,
+    SMOLLM2_TASK_DEFAULTS,
+    SYSTEM_MESSAGE,
+    encode_text,
+    load_smollm2_with_draft,
+    note_and_candidate_lines,
+    parse_answer,
+    user_message,
+    zero_shot_example,
+    zero_shot_prompt,
 )
 
 requires_smollm2 = pytest.mark.skipif(
@@ -44,7 +52,9 @@ def test_parse_answer_reads_the_code_the_reply_starts_with():
 
 @pytest.fixture(scope="module")
 def example():
-    stream = task.iter_examples(EXAMPLE_SEED, "validation", start=EXAMPLE_INDEX, **SMOLLM2_TASK_DEFAULTS)
+    stream = task.iter_examples(
+        EXAMPLE_SEED, "validation", start=EXAMPLE_INDEX, **SMOLLM2_TASK_DEFAULTS
+    )
     return next(stream)
 
 
@@ -97,7 +107,7 @@ def test_drafted_generation_is_the_bridges_own_greedy_decoding(smollm2, example)
     n_prompt = prompt_ids.shape[1]
     assert tokens.shape[1] > n_prompt and logits.shape[0] == tokens.shape[1]
     # greedy: every new token is the argmax of the bridge's forward over what precedes it
-    assert torch.equal(logits[n_prompt - 1:-1].argmax(dim=-1), tokens[0, n_prompt:])
+    assert torch.equal(logits[n_prompt - 1 : -1].argmax(dim=-1), tokens[0, n_prompt:])
 
 
 @requires_smollm2
@@ -107,9 +117,11 @@ def test_events_sit_on_the_region_and_within_departure_tokens(smollm2, reply):
     assert [e.kind for e in reply.events] == ["region", "within"]
     region, within = reply.events
     text = reply.prompt + reply.output
-    assert text[region.start:region.end] == "E20" and text[within.start:within.end] == ".89"
+    assert text[region.start : region.end] == "E20" and text[within.start : within.end] == ".89"
     assert region.contrast in {c.split(".")[0] for c in reply.candidates} - {"E20"}
-    assert within.contrast in {"." + c.split(".")[1] for c in reply.candidates if c.startswith("E20.")} - {".89"}
+    assert within.contrast in {
+        "." + c.split(".")[1] for c in reply.candidates if c.startswith("E20.")
+    } - {".89"}
     encoded = events_from_spans(reply, tokenizer, 0)
     for event in encoded.events:
         # the event token is where chosen and contrast first differ: a single digit or letter token
@@ -127,18 +139,24 @@ def test_tiny_characterisation_on_real_weights(smollm2, reply, tmp_path):
 
     encoded = [events_from_spans(reply, tokenizer, 0)]
     margins = clean_margins(bridge, make_event_batch(encoded, pad_token_id=tokenizer.pad_token_id))
-    assert torch.isfinite(margins).all() and (margins > 0).all()  # greedy choices beat their contrasts
+    assert (
+        torch.isfinite(margins).all() and (margins > 0).all()
+    )  # greedy choices beat their contrasts
 
     # z_min out of reach: no circuit, so the test stays with sweeps, attribution and calibration.
     # Two null draws per event: one each can land on the same output token of this short reply.
-    config = CharacterizeConfig(seed=0, sweep_top=2, curve_points=1, z_min=1e9, null_per_event=2, progress=False)
+    config = CharacterizeConfig(
+        seed=0, sweep_top=2, curve_points=1, z_min=1e9, null_per_event=2, progress=False
+    )
     summary = characterize(bridge, tokenizer, [reply], [reply], tmp_path, config)
     assert summary["n_heads_total"] == 30 * 9 and summary["n_heads_swept"] == 2
     assert summary["n_decided_events"] == 2 and summary["circuit"] == []
 
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert len(sweep) == 2 * 2 and set(sweep.kind) == {"region", "within"}
-    assert torch.allclose(torch.tensor(sweep.clean_margin.to_numpy()), margins.double().repeat(2), atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(sweep.clean_margin.to_numpy()), margins.double().repeat(2), atol=1e-4
+    )
     assert sweep.effect.abs().max() < 1e-3
     assert pd.read_csv(tmp_path / "attribution.csv").attribution.abs().max() < 1e-3
     assert json.loads((tmp_path / "summary.json").read_text())["n_heads_swept"] == 2

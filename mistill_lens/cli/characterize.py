@@ -17,9 +17,14 @@ DEFAULT_N = 40
 
 
 def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
-    config = CharacterizeConfig(seed=args.seed, z_min=args.z_min, null_per_event=args.null_per_event,
-                                sweep_top=args.sweep_top, progress=not args.no_progress,
-                                stale="recompute" if args.recompute else "error")
+    config = CharacterizeConfig(
+        seed=args.seed,
+        z_min=args.z_min,
+        null_per_event=args.null_per_event,
+        sweep_top=args.sweep_top,
+        progress=not args.no_progress,
+        stale="recompute" if args.recompute else "error",
+    )
     return replace(config, **overrides)
 
 
@@ -28,7 +33,11 @@ def _command() -> str:
 
 
 def _print_summary(summary: dict) -> None:
-    print(json.dumps({k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}
+        )
+    )
 
 
 def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
@@ -37,9 +46,18 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     from mistill_lens.task.characterize import characterize_task, task_examples
 
     bridge, tokenizer = load_model(args.model)
-    examples, reference = task_examples(args.n or DEFAULT_N, args.seed, args.split, task_config, args.n_reference)
-    provenance = {"command": _command(), "model": str(args.model), "split": args.split, "task_config": dict(task_config)}
-    summary = characterize_task(bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance)
+    examples, reference = task_examples(
+        args.n or DEFAULT_N, args.seed, args.split, task_config, args.n_reference
+    )
+    provenance = {
+        "command": _command(),
+        "model": str(args.model),
+        "split": args.split,
+        "task_config": dict(task_config),
+    }
+    summary = characterize_task(
+        bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance
+    )
     _print_summary(summary)
     return summary
 
@@ -53,18 +71,26 @@ def run_examples(args: argparse.Namespace) -> dict:
     examples = read_examples(args.examples)
     reference = read_examples(args.reference) if args.reference else examples
     bridge, tokenizer = load_model(args.model)
-    provenance = {"command": _command(), "model": str(args.model), "examples": str(args.examples),
-                  "reference": str(args.reference) if args.reference else None,
-                  "warnings": [] if args.reference else
-                  ["no --reference examples: the means come from the analysed examples themselves"]}
-    summary = characterize(bridge, tokenizer, examples, reference, Path(args.out), _config(args),
-                           provenance=provenance)
+    provenance = {
+        "command": _command(),
+        "model": str(args.model),
+        "examples": str(args.examples),
+        "reference": str(args.reference) if args.reference else None,
+        "warnings": []
+        if args.reference
+        else ["no --reference examples: the means come from the analysed examples themselves"],
+    }
+    summary = characterize(
+        bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance=provenance
+    )
     _print_summary(summary)
     return summary
 
 
 def write_generations(examples, path: Path) -> None:
-    rows = [{**asdict(e), "correct": e.correct, "region_correct": e.region_correct} for e in examples]
+    rows = [
+        {**asdict(e), "correct": e.correct, "region_correct": e.region_correct} for e in examples
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
@@ -77,8 +103,13 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
     out_dir = claim_characterize_dir(args.out)
     bridge, tokenizer, draft = zero_shot.load_smollm2_with_draft()
     n = args.n or zero_shot.SMOLLM2_DEFAULT_N
-    examples, reference = task_examples(n, args.seed, args.split, task_config,
-                                        args.n_reference or max(n, zero_shot.SMOLLM2_MIN_REFERENCE))
+    examples, reference = task_examples(
+        n,
+        args.seed,
+        args.split,
+        task_config,
+        args.n_reference or max(n, zero_shot.SMOLLM2_MIN_REFERENCE),
+    )
     analysed = zero_shot.zero_shot_examples(bridge, tokenizer, examples, draft)
     references = zero_shot.zero_shot_examples(bridge, tokenizer, reference, draft)
     del draft  # generation is done; the pipeline only needs the bridge
@@ -89,17 +120,36 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
     reference_with_events = [e for e in references if e.events]
     # mean-ablation needs a reference mean for every event kind it ablates at
     reference_kinds = {event.kind for e in reference_with_events for event in e.events}
-    with_events = [replace(e, events=tuple(v for v in e.events if v.kind in reference_kinds)) for e in analysed]
+    with_events = [
+        replace(e, events=tuple(v for v in e.events if v.kind in reference_kinds)) for e in analysed
+    ]
     with_events = [e for e in with_events if e.events]
     if not with_events or not reference_with_events:
-        raise ValueError(f"SmolLM2 wrote no parsable code in {'the analysed' if not with_events else 'the reference'} "
-                         "examples: nothing to characterise (see generations.jsonl)")
-    config = _config(args, sweep_top=args.sweep_top if args.sweep_top is not None else zero_shot.SMOLLM2_DEFAULT_SWEEP_TOP,
-                     curve_points=zero_shot.SMOLLM2_CURVE_POINTS)
-    provenance = {"command": _command(), "model": "smollm2", "gguf": str(zero_shot.find_smollm2_gguf()),
-                  "split": args.split, "task_config": dict(task_config),
-                  "zero_shot": {**scored, "answer_prefix": zero_shot.ANSWER_PREFIX,
-                                "system_message": zero_shot.SYSTEM_MESSAGE}}
-    summary = characterize_task(bridge, tokenizer, with_events, reference_with_events, out_dir, config, provenance)
+        raise ValueError(
+            f"SmolLM2 wrote no parsable code in {'the analysed' if not with_events else 'the reference'} "
+            "examples: nothing to characterise (see generations.jsonl)"
+        )
+    config = _config(
+        args,
+        sweep_top=args.sweep_top
+        if args.sweep_top is not None
+        else zero_shot.SMOLLM2_DEFAULT_SWEEP_TOP,
+        curve_points=zero_shot.SMOLLM2_CURVE_POINTS,
+    )
+    provenance = {
+        "command": _command(),
+        "model": "smollm2",
+        "gguf": str(zero_shot.find_smollm2_gguf()),
+        "split": args.split,
+        "task_config": dict(task_config),
+        "zero_shot": {
+            **scored,
+            "answer_prefix": zero_shot.ANSWER_PREFIX,
+            "system_message": zero_shot.SYSTEM_MESSAGE,
+        },
+    }
+    summary = characterize_task(
+        bridge, tokenizer, with_events, reference_with_events, out_dir, config, provenance
+    )
     _print_summary(summary)
     return summary

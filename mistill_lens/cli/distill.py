@@ -11,8 +11,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from mistill_lens.cli.arguments import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    SEED,
+)
 from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
-from mistill_lens.cli.arguments import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED
 
 TASK_KEYS = ("universe_size", "k", "max_mentions")
 
@@ -21,26 +27,45 @@ def teacher_task_config(teacher_dir: Path) -> dict:
     from mistill_lens.models.checkpoints import CheckpointError, read_metadata
 
     if not Path(teacher_dir).is_dir():
-        raise CheckpointError(f"teacher folder {teacher_dir} does not exist (give a checkpoint folder, or 'default')")
+        raise CheckpointError(
+            f"teacher folder {teacher_dir} does not exist (give a checkpoint folder, or 'default')"
+        )
     config = read_metadata(teacher_dir).get("config", {})
     missing = [k for k in TASK_KEYS if k not in config]
     if missing:
-        raise ValueError(f"teacher {teacher_dir} records no task configuration ({missing}) in its mistill.json")
+        raise ValueError(
+            f"teacher {teacher_dir} records no task configuration ({missing}) in its mistill.json"
+        )
     return {k: config[k] for k in TASK_KEYS}
 
 
-def teacher_circuits(teacher, teacher_tokenizer, teacher_dir: Path, task_config: dict, cache_dir: Path,
-                     n: int, z_min: float, progress: bool) -> Path:
+def teacher_circuits(
+    teacher,
+    teacher_tokenizer,
+    teacher_dir: Path,
+    task_config: dict,
+    cache_dir: Path,
+    n: int,
+    z_min: float,
+    progress: bool,
+) -> Path:
     """``heads.json`` of the teacher's characterisation on validation examples (run once, cached;
     an interrupted one resumes its sweeps)."""
     from mistill_lens.lens.characterize import CharacterizeConfig
-    from mistill_lens.task.characterize import characterize_task, task_examples
     from mistill_lens.models.checkpoints import weights_digest
+    from mistill_lens.task.characterize import characterize_task, task_examples
 
     out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
     if not (out / "summary.json").is_file():  # written last: the characterisation finished
         examples, reference = task_examples(n, 0, "validation", task_config)
-        characterize_task(teacher, teacher_tokenizer, examples, reference, out, CharacterizeConfig(z_min=z_min, progress=progress))
+        characterize_task(
+            teacher,
+            teacher_tokenizer,
+            examples,
+            reference,
+            out,
+            CharacterizeConfig(z_min=z_min, progress=progress),
+        )
     return out / "heads.json"
 
 
@@ -55,10 +80,14 @@ def student_architecture_options(args: argparse.Namespace) -> dict:
 
     from mistill_lens.models.students import load_base_student, student_architecture
 
-    architecture = student_architecture(load_base_student(args.student_init, args.student, torch.float32))
+    architecture = student_architecture(
+        load_base_student(args.student_init, args.student, torch.float32)
+    )
     conflicting = {k: v for k, v in sizes.items() if v is not None and v != architecture[k]}
     if conflicting:
-        raise ValueError(f"--student-init {args.student_init} has {architecture}; it conflicts with {conflicting}")
+        raise ValueError(
+            f"--student-init {args.student_init} has {architecture}; it conflicts with {conflicting}"
+        )
     return {**architecture, "student_init": str(args.student_init)}
 
 
@@ -68,7 +97,9 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
     for part in text.split(","):
         layer, dot, head = part.strip().partition(".")
         if not (dot and layer.isdigit() and head.isdigit()):
-            raise ValueError(f"--student-heads takes comma-separated LAYER.HEAD pairs such as 3.3,2.0; got {part!r}")
+            raise ValueError(
+                f"--student-heads takes comma-separated LAYER.HEAD pairs such as 3.3,2.0; got {part!r}"
+            )
         heads.append((int(layer), int(head)))
     return tuple(heads)
 
@@ -76,10 +107,9 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
 def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_generations
-    from mistill_lens.models.checkpoints import weights_digest
     from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
     from mistill_lens.distill.training import DistillConfig, distill
-    from mistill_lens.models.checkpoints import load_model, resolve
+    from mistill_lens.models.checkpoints import load_model, resolve, weights_digest
     from mistill_lens.runs import claim_run_dir
     from mistill_lens.training.loop import claim_checkpoint_dir
 
@@ -92,81 +122,219 @@ def run_distill(args: argparse.Namespace) -> dict:
     claim_run_dir(cache, "distill-cache")
     progress = not args.no_progress
     teacher, teacher_tokenizer = load_model(teacher_dir)
-    heads_path = Path(args.teacher_heads) if args.teacher_heads else teacher_circuits(
-        teacher, teacher_tokenizer, teacher_dir, task_config, cache, args.characterize_n, args.teacher_z_min, progress)
+    heads_path = (
+        Path(args.teacher_heads)
+        if args.teacher_heads
+        else teacher_circuits(
+            teacher,
+            teacher_tokenizer,
+            teacher_dir,
+            task_config,
+            cache,
+            args.characterize_n,
+            args.teacher_z_min,
+            progress,
+        )
+    )
     heads_by_kind = teacher_head_sets(read_heads_json(heads_path))
-    examples = teacher_generations(teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress)
+    examples = teacher_generations(
+        teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress
+    )
     layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
     head_set = parse_head_set(args.student_heads) if args.student_heads else None
     config = DistillConfig(
-        family=args.student, objective=args.objective, precision=args.precision, seed=args.seed, steps=args.steps,
-        batch_size=args.batch_size, lr=args.lr, attention_weight=args.attention_weight, student_layers=layers,
+        family=args.student,
+        objective=args.objective,
+        precision=args.precision,
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        attention_weight=args.attention_weight,
+        student_layers=layers,
         student_head_set=head_set,
-        checkpoint_every=args.checkpoint_every, teacher=weights_digest(teacher_dir), n_train=args.n_train,
-        data_seed=args.data_seed, **student_architecture_options(args),
+        checkpoint_every=args.checkpoint_every,
+        teacher=weights_digest(teacher_dir),
+        n_train=args.n_train,
+        data_seed=args.data_seed,
+        **student_architecture_options(args),
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     n_events = sum(len(e.events) for e in examples)
-    metadata = distill(config, teacher, teacher_tokenizer, examples, heads_by_kind, out, command=command,
-                       extra_metadata={"teacher_dir": str(teacher_dir), "teacher_heads_file": str(heads_path),
-                                       "teacher_events": n_events, "task": task_config},
-                       progress=progress)
-    result = {k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")}
+    metadata = distill(
+        config,
+        teacher,
+        teacher_tokenizer,
+        examples,
+        heads_by_kind,
+        out,
+        command=command,
+        extra_metadata={
+            "teacher_dir": str(teacher_dir),
+            "teacher_heads_file": str(heads_path),
+            "teacher_events": n_events,
+            "task": task_config,
+        },
+        progress=progress,
+    )
+    result = {
+        k: metadata[k]
+        for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")
+    }
     if args.n_eval > 0:
         from mistill_lens.lens.characterize import CharacterizeConfig
 
         z_min = args.teacher_z_min if args.student_z_min is None else args.student_z_min
         previous = out / EVALUATION_FILE
         done = json.loads(previous.read_text()) if previous.is_file() else {}
-        if ((done.get("steps"), done.get("n_eval"), done.get("z_min"), done.get("n_characterize"))
-                != (metadata["step"], args.n_eval, z_min, args.characterize_n)):
-            done = evaluate_run(out, task_config, n_eval=args.n_eval, n_characterize=args.characterize_n,
-                                progress=progress, characterize_config=CharacterizeConfig(z_min=z_min, progress=progress))
-        result.update({k: done.get(k) for k in ("causal_recovery", "causal_recovery_median", "code_f1", "near_miss_acc")})
-    result["warnings"] = metadata.get("warnings", []) + (done.get("warnings", []) if args.n_eval > 0 else [])
+        if (
+            done.get("steps"),
+            done.get("n_eval"),
+            done.get("z_min"),
+            done.get("n_characterize"),
+        ) != (metadata["step"], args.n_eval, z_min, args.characterize_n):
+            done = evaluate_run(
+                out,
+                task_config,
+                n_eval=args.n_eval,
+                n_characterize=args.characterize_n,
+                progress=progress,
+                characterize_config=CharacterizeConfig(z_min=z_min, progress=progress),
+            )
+        result.update(
+            {
+                k: done.get(k)
+                for k in ("causal_recovery", "causal_recovery_median", "code_f1", "near_miss_acc")
+            }
+        )
+    result["warnings"] = metadata.get("warnings", []) + (
+        done.get("warnings", []) if args.n_eval > 0 else []
+    )
     print(json.dumps(result))
     return result
 
 
 def add_distill_parsers(sub) -> None:
     """Register ``distill`` and ``distill-report`` on an argparse subparsers object."""
-    parser = sub.add_parser("distill", help="distil the teacher into a student (CoT or MISTILL; resumable), then evaluate it")
-    parser.add_argument("--teacher", default="default", help="teacher checkpoint folder, or 'default'")
-    parser.add_argument("--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family")
+    parser = sub.add_parser(
+        "distill",
+        help="distil the teacher into a student (CoT or MISTILL; resumable), then evaluate it",
+    )
+    parser.add_argument(
+        "--teacher", default="default", help="teacher checkpoint folder, or 'default'"
+    )
+    parser.add_argument(
+        "--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family"
+    )
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32-master")
     parser.add_argument("--seed", type=SEED, default=0)
-    parser.add_argument("--out", required=True, help="student checkpoint folder; rerun the same command to resume")
+    parser.add_argument(
+        "--out", required=True, help="student checkpoint folder; rerun the same command to resume"
+    )
     parser.add_argument("--steps", type=POSITIVE_INT, default=300)
     parser.add_argument("--batch-size", type=POSITIVE_INT, default=4)
     parser.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3)
-    parser.add_argument("--attention-weight", type=NON_NEGATIVE_FLOAT, default=1.0, help="lambda of the attention loss (mistill)")
-    parser.add_argument("--n-layer", type=POSITIVE_INT, default=None, help="student layers (default 4, or --student-init's)")
-    parser.add_argument("--n-head", type=POSITIVE_INT, default=None, help="student heads per layer (default 4, or --student-init's)")
-    parser.add_argument("--n-embd", type=POSITIVE_INT, default=None, help="student width (default 96, or --student-init's)")
-    parser.add_argument("--student-init", default=None,
-                        help="start from this base student (`train --role student`) instead of a fresh initialisation")
-    parser.add_argument("--student-layers", default=None, help="comma-separated student layers whose heads are pooled (default: a same-family student "
-                             "of the teacher's shape pools the teacher's head positions, others the upper half)")
-    parser.add_argument("--student-heads", default=None,
-                        help="comma-separated LAYER.HEAD student heads whose attention is pooled (instead of --student-layers)")
+    parser.add_argument(
+        "--attention-weight",
+        type=NON_NEGATIVE_FLOAT,
+        default=1.0,
+        help="lambda of the attention loss (mistill)",
+    )
+    parser.add_argument(
+        "--n-layer",
+        type=POSITIVE_INT,
+        default=None,
+        help="student layers (default 4, or --student-init's)",
+    )
+    parser.add_argument(
+        "--n-head",
+        type=POSITIVE_INT,
+        default=None,
+        help="student heads per layer (default 4, or --student-init's)",
+    )
+    parser.add_argument(
+        "--n-embd",
+        type=POSITIVE_INT,
+        default=None,
+        help="student width (default 96, or --student-init's)",
+    )
+    parser.add_argument(
+        "--student-init",
+        default=None,
+        help="start from this base student (`train --role student`) instead of a fresh initialisation",
+    )
+    parser.add_argument(
+        "--student-layers",
+        default=None,
+        help="comma-separated student layers whose heads are pooled (default: a same-family student "
+        "of the teacher's shape pools the teacher's head positions, others the upper half)",
+    )
+    parser.add_argument(
+        "--student-heads",
+        default=None,
+        help="comma-separated LAYER.HEAD student heads whose attention is pooled (instead of --student-layers)",
+    )
     parser.add_argument("--checkpoint-every", type=POSITIVE_INT, default=100)
-    parser.add_argument("--n-train", type=POSITIVE_INT, default=256, help="training prompts the teacher answers (distillation data)")
-    parser.add_argument("--data-seed", type=SEED, default=0, help="seed of the training prompts (shared by all runs)")
-    parser.add_argument("--teacher-heads", default=None, help="heads.json of a teacher characterisation (default: characterise it once, cached)")
-    parser.add_argument("--teacher-z-min", type=float, default=3.0,
-                        help="calibrated z a teacher head needs to join its circuit, when characterising it here")
-    parser.add_argument("--student-z-min", type=float, default=None,
-                        help="calibrated z a student head needs to join its found circuit (default: --teacher-z-min)")
-    parser.add_argument("--cache", default=None, help="folder for teacher generations and characterisation (default: OUT/../distill_cache)")
-    parser.add_argument("--n-eval", type=NON_NEGATIVE_INT, default=50, help="held-out examples for code_f1 / near_miss_acc (0: skip evaluation)")
-    parser.add_argument("--characterize-n", type=POSITIVE_INT, default=24, help="examples for each characterisation")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (model loading included)")
-    parser.set_defaults(func=run_distill, resume_hint="the student's checkpoints so far are kept in --out")
+    parser.add_argument(
+        "--n-train",
+        type=POSITIVE_INT,
+        default=256,
+        help="training prompts the teacher answers (distillation data)",
+    )
+    parser.add_argument(
+        "--data-seed",
+        type=SEED,
+        default=0,
+        help="seed of the training prompts (shared by all runs)",
+    )
+    parser.add_argument(
+        "--teacher-heads",
+        default=None,
+        help="heads.json of a teacher characterisation (default: characterise it once, cached)",
+    )
+    parser.add_argument(
+        "--teacher-z-min",
+        type=float,
+        default=3.0,
+        help="calibrated z a teacher head needs to join its circuit, when characterising it here",
+    )
+    parser.add_argument(
+        "--student-z-min",
+        type=float,
+        default=None,
+        help="calibrated z a student head needs to join its found circuit (default: --teacher-z-min)",
+    )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        help="folder for teacher generations and characterisation (default: OUT/../distill_cache)",
+    )
+    parser.add_argument(
+        "--n-eval",
+        type=NON_NEGATIVE_INT,
+        default=50,
+        help="held-out examples for code_f1 / near_miss_acc (0: skip evaluation)",
+    )
+    parser.add_argument(
+        "--characterize-n", type=POSITIVE_INT, default=24, help="examples for each characterisation"
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (model loading included)"
+    )
+    parser.set_defaults(
+        func=run_distill, resume_hint="the student's checkpoints so far are kept in --out"
+    )
 
-    report = sub.add_parser("distill-report", help="table and figure over distillation runs; prints a JSON summary last")
-    report.add_argument("--runs", nargs="+", required=True, help="student run folders (each with evaluation.json)")
-    report.add_argument("--out", required=True, help="report folder (new, empty, or an earlier report's)")
+    report = sub.add_parser(
+        "distill-report", help="table and figure over distillation runs; prints a JSON summary last"
+    )
+    report.add_argument(
+        "--runs", nargs="+", required=True, help="student run folders (each with evaluation.json)"
+    )
+    report.add_argument(
+        "--out", required=True, help="report folder (new, empty, or an earlier report's)"
+    )
     report.set_defaults(func=run_report)
 
 

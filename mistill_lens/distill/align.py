@@ -34,7 +34,9 @@ def _spans(offsets: Offsets) -> Tensor:
     return spans
 
 
-def overlap_matrix(source_offsets: Offsets, target_offsets: Offsets) -> Float[Tensor, "source target"]:
+def overlap_matrix(
+    source_offsets: Offsets, target_offsets: Offsets
+) -> Float[Tensor, "source target"]:
     """Share of each source token's mass that goes to each target token.
 
     Entry (i, j) = overlap(i, j) / max(len(i), total overlap of i): a source token tiled by target
@@ -52,14 +54,21 @@ def overlap_matrix(source_offsets: Offsets, target_offsets: Offsets) -> Float[Te
 
 
 def transfer_mass(
-    mass: Float[Tensor, "... source"], source_offsets: Offsets, target_offsets: Offsets, renormalise: bool = True
+    mass: Float[Tensor, "... source"],
+    source_offsets: Offsets,
+    target_offsets: Offsets,
+    renormalise: bool = True,
 ) -> Float[Tensor, "... target"]:
     """Move `mass` over source tokens onto target tokens by character overlap (then renormalise)."""
     if mass.shape[-1] != len(source_offsets):
-        raise ValueError(f"mass over {mass.shape[-1]} source tokens but {len(source_offsets)} source offsets")
+        raise ValueError(
+            f"mass over {mass.shape[-1]} source tokens but {len(source_offsets)} source offsets"
+        )
     if bool((mass < 0).any()):
         raise ValueError("attention mass must be non-negative")
-    matrix = overlap_matrix(source_offsets, target_offsets).to(mass.dtype if mass.is_floating_point() else torch.float64)
+    matrix = overlap_matrix(source_offsets, target_offsets).to(
+        mass.dtype if mass.is_floating_point() else torch.float64
+    )
     moved = einops.einsum(mass.to(matrix.dtype), matrix, "... s, s t -> ... t")
     if not renormalise:
         return moved

@@ -36,10 +36,14 @@ def pattern_name(layer: int) -> str:
 def read_heads_json(path: str | Path) -> dict[str, list[Head]]:
     """Circuits per kind from a characterisation's ``heads.json`` ({kind: [{layer, head, ...}]})."""
     data = json.loads(Path(path).read_text())
-    return {kind: [(int(e["layer"]), int(e["head"])) for e in entries] for kind, entries in data.items()}
+    return {
+        kind: [(int(e["layer"]), int(e["head"])) for e in entries] for kind, entries in data.items()
+    }
 
 
-def teacher_head_sets(circuits: Mapping[str, Sequence[Head]], kinds: Sequence[str] | None = None) -> dict[str, list[Head]]:
+def teacher_head_sets(
+    circuits: Mapping[str, Sequence[Head]], kinds: Sequence[str] | None = None
+) -> dict[str, list[Head]]:
     """The head set whose attention is pooled for each event kind (default: every kind the
     characterisation calibrated): the kind's own circuit, or the global circuit ("all") for a kind
     whose own circuit is empty."""
@@ -80,7 +84,9 @@ def teacher_event_attention(
     for event in encoded.events:
         q = event.predict_position
         heads = heads_by_kind[event.kind]
-        per_head = torch.stack([cache[pattern_name(layer)][0, head, q, : q + 1] for layer, head in heads])
+        per_head = torch.stack(
+            [cache[pattern_name(layer)][0, head, q, : q + 1] for layer, head in heads]
+        )
         rows.append(per_head.float().mean(dim=0))
     return rows
 
@@ -93,7 +99,9 @@ class DistillItem:
     target_mask: list[bool]
     query_positions: list[int]
     kinds: list[str]
-    attention_targets: list[Tensor]  # event i: a distribution over student positions 0..query_positions[i]
+    attention_targets: list[
+        Tensor
+    ]  # event i: a distribution over student positions 0..query_positions[i]
 
 
 def student_item(
@@ -124,13 +132,25 @@ def student_item(
             f"student's context of {student_n_ctx} tokens"
         )
     if len(ids) > student_n_ctx:
-        raise ValueError(f"example {example_id}: {len(ids)} student tokens exceed the student's context of {student_n_ctx}")
+        raise ValueError(
+            f"example {example_id}: {len(ids)} student tokens exceed the student's context of {student_n_ctx}"
+        )
     rows = teacher_event_attention(teacher, teacher_encoded, heads_by_kind)
     targets = [
-        transfer_mass(row, teacher_encoded.offsets[: t.predict_position + 1], student.offsets[: s.predict_position + 1]).float()
+        transfer_mass(
+            row,
+            teacher_encoded.offsets[: t.predict_position + 1],
+            student.offsets[: s.predict_position + 1],
+        ).float()
         for row, t, s in zip(rows, teacher_encoded.events, student.events)
     ]
-    return DistillItem(ids, target_mask, [e.predict_position for e in student.events], [e.kind for e in student.events], targets)
+    return DistillItem(
+        ids,
+        target_mask,
+        [e.predict_position for e in student.events],
+        [e.kind for e in student.events],
+        targets,
+    )
 
 
 @dataclass
@@ -160,11 +180,14 @@ def collate_items(items: Sequence[DistillItem], pad_id: int) -> DistillBatch:
 def pattern_recorder(layers: Sequence[int], store: dict[int, Tensor]) -> list[HookPair]:
     """Hooks that keep each layer's ``hook_pattern`` [batch, head, query, key] in `store`, in the
     autograd graph (the attention loss backpropagates through them into the student)."""
+
     def keep(layer: int):
         def hook(pattern: Tensor, hook) -> Tensor:
             store[layer] = pattern
             return pattern
+
         return hook
+
     return [(pattern_name(layer), keep(layer)) for layer in sorted(set(layers))]
 
 
@@ -194,7 +217,9 @@ def attention_kl(
 ) -> Tensor:
     """Mean over real events of KL(target || student pooled attention); zero iff they are equal."""
     if pooled.shape != target.shape:
-        raise ValueError(f"pooled attention {tuple(pooled.shape)} and targets {tuple(target.shape)} differ in shape")
+        raise ValueError(
+            f"pooled attention {tuple(pooled.shape)} and targets {tuple(target.shape)} differ in shape"
+        )
     student = pooled.float().clamp(min=PROBABILITY_FLOOR)
     target = target.float()
     # t (log t - log s) with 0 log 0 = 0; written as a difference of logs so equal inputs give exactly 0

@@ -19,13 +19,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from mistill_lens import task
-from mistill_lens.models.generate import greedy_text
-from mistill_lens.task.metrics import MAX_NEW_TOKENS
 from mistill_lens.lens.fingerprint import (
-    StaleResultError, StaleResultWarning, check_fingerprint, read_fingerprint, write_fingerprint,
+    StaleResultError,
+    StaleResultWarning,
+    check_fingerprint,
+    read_fingerprint,
+    write_fingerprint,
 )
 from mistill_lens.models.checkpoints import load_hf_model, weights_digest
+from mistill_lens.models.generate import greedy_text
 from mistill_lens.runs import file_digest
+from mistill_lens.task.metrics import MAX_NEW_TOKENS
 
 
 def _trace_lines(output: str) -> list[str]:
@@ -51,7 +55,9 @@ def generation_events(example: task.Example, generated: str) -> tuple[task.Event
         shift = generated_starts[line] - line_starts[event.mention]
         events.append(replace(event, start=event.start + shift, end=event.end + shift))
     text = example.prompt + generated
-    assert all(text[e.start:e.end] == e.chosen for e in events), "shifted event spans must hold their text"
+    assert all(text[e.start : e.end] == e.chosen for e in events), (
+        "shifted event spans must hold their text"
+    )
     return tuple(events)
 
 
@@ -75,15 +81,22 @@ def teacher_generations(
     path = Path(cache_dir) / f"generations-{weights_digest(teacher_dir)}-{split}-{key}.jsonl"
     if path.is_file():
         try:
-            check_fingerprint(read_fingerprint(path), _cache_fingerprint(path, n), f"generations cache {path}")
+            check_fingerprint(
+                read_fingerprint(path), _cache_fingerprint(path, n), f"generations cache {path}"
+            )
             return task.read_jsonl(path)
-        except (StaleResultError, ValueError) as err:  # truncated, edited or unreadable: ours to redo
+        except (
+            StaleResultError,
+            ValueError,
+        ) as err:  # truncated, edited or unreadable: ours to redo
             warnings.warn(f"{err}: regenerated", StaleResultWarning, stacklevel=2)
     model, tokenizer = load_hf_model(teacher_dir)
     examples = task.generate_examples(n, seed, split, **task_config)
     generated = [
         as_generated(example, greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS))
-        for example in tqdm(examples, desc="teacher generations", disable=not progress, file=sys.stderr)
+        for example in tqdm(
+            examples, desc="teacher generations", disable=not progress, file=sys.stderr
+        )
     ]
     task.write_jsonl(generated, path)
     write_fingerprint(path, _cache_fingerprint(path, n))

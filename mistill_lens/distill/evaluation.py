@@ -23,9 +23,9 @@ import pandas as pd
 
 from mistill_lens import task
 from mistill_lens.lens.characterize import CharacterizeConfig
+from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate
-from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 
 EVALUATION_FILE = "evaluation.json"
 
@@ -34,15 +34,24 @@ def causal_recovery(summary: dict, kind: str = "near_miss") -> dict:
     """Recovery figures of one event kind from a characterisation summary."""
     measures = summary.get(kind) or {}
     if not measures.get("n_events"):
-        return {"causal_recovery": None, "recovery_ablation": None, "recovery_knock_in": None, "n_events": 0}
+        return {
+            "causal_recovery": None,
+            "recovery_ablation": None,
+            "recovery_knock_in": None,
+            "n_events": 0,
+        }
     ablation = measures.get("necessity")
     knock_in = measures.get("knock_in")
     if ablation is None:  # no heads selected: the found set carries nothing
         ablation, knock_in = 0.0, 0.0
     knock_in = 0.0 if knock_in is None or knock_in != knock_in else knock_in  # NaN: no donor pair
-    return {"causal_recovery": (ablation + knock_in) / 2, "recovery_ablation": ablation,
-            "recovery_knock_in": knock_in, "n_events": measures["n_events"],
-            "near_miss_circuit": measures.get("circuit", [])}
+    return {
+        "causal_recovery": (ablation + knock_in) / 2,
+        "recovery_ablation": ablation,
+        "recovery_knock_in": knock_in,
+        "n_events": measures["n_events"],
+        "near_miss_circuit": measures.get("circuit", []),
+    }
 
 
 def median_recovery(characterization_dir: str | Path, kind: str = "near_miss") -> float | None:
@@ -59,13 +68,21 @@ def median_recovery(characterization_dir: str | Path, kind: str = "near_miss") -
     events = events[events.kind == kind]
     if events.empty:
         return None
-    knock_in = events.knock_in.median()  # NaN rows (no donor pair) are skipped; none left: 0, as in the mean
+    knock_in = (
+        events.knock_in.median()
+    )  # NaN rows (no donor pair) are skipped; none left: 0, as in the mean
     return float((events.necessity.median() + (0.0 if math.isnan(knock_in) else knock_in)) / 2)
 
 
 def evaluate_run(
-    run_dir: str | Path, task_config: dict, *, n_eval: int = 50, n_characterize: int = 24, seed: int = 0,
-    progress: bool = True, characterize_config: CharacterizeConfig | None = None,
+    run_dir: str | Path,
+    task_config: dict,
+    *,
+    n_eval: int = 50,
+    n_characterize: int = 24,
+    seed: int = 0,
+    progress: bool = True,
+    characterize_config: CharacterizeConfig | None = None,
 ) -> dict:
     """Task metrics on held-out prompts and causal recovery; written to ``evaluation.json``."""
     run_dir = Path(run_dir)
@@ -75,18 +92,36 @@ def evaluate_run(
     bridge, tokenizer = load_model(run_dir)
     examples, reference = task_examples(n_characterize, seed + 1, "heldout", task_config)
     # The characterisation folder is this run's own: after more training its sweeps are stale and redone.
-    config = replace(characterize_config or CharacterizeConfig(seed=seed, progress=progress), stale="recompute")
-    result = {"run": str(run_dir), **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
-              "n_eval": n_eval, "n_characterize": n_characterize, "z_min": config.z_min}
+    config = replace(
+        characterize_config or CharacterizeConfig(seed=seed, progress=progress), stale="recompute"
+    )
+    result = {
+        "run": str(run_dir),
+        **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
+        "n_eval": n_eval,
+        "n_characterize": n_characterize,
+        "z_min": config.z_min,
+    }
     try:
-        summary = characterize_task(bridge, tokenizer, examples, reference, run_dir / "characterization", config)
-        result.update(causal_recovery(summary), causal_recovery_median=median_recovery(run_dir / "characterization"),
-                      circuit=summary["circuit"], warnings=summary["warnings"])
+        summary = characterize_task(
+            bridge, tokenizer, examples, reference, run_dir / "characterization", config
+        )
+        result.update(
+            causal_recovery(summary),
+            causal_recovery_median=median_recovery(run_dir / "characterization"),
+            circuit=summary["circuit"],
+            warnings=summary["warnings"],
+        )
     except ValueError as err:  # e.g. the student decides no gold event its way
-        result.update(causal_recovery({}), causal_recovery_median=None, characterization_error=str(err))
+        result.update(
+            causal_recovery({}), causal_recovery_median=None, characterization_error=str(err)
+        )
     metadata = read_metadata(run_dir)
-    result.update({k: metadata["config"][k] for k in ("family", "objective", "precision", "seed")},
-                  train_time_s=metadata.get("train_time_s"), steps=metadata.get("step"),
-                  attention_loss_tail=metadata.get("attention_loss_tail"))
+    result.update(
+        {k: metadata["config"][k] for k in ("family", "objective", "precision", "seed")},
+        train_time_s=metadata.get("train_time_s"),
+        steps=metadata.get("step"),
+        attention_loss_tail=metadata.get("attention_loss_tail"),
+    )
     (run_dir / EVALUATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result

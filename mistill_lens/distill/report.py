@@ -32,9 +32,13 @@ def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     for run in run_dirs:
         path = Path(run) / EVALUATION_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{run} has no {EVALUATION_FILE}: run `mistill-lens distill` on it to completion")
+            raise FileNotFoundError(
+                f"{run} has no {EVALUATION_FILE}: run `mistill-lens distill` on it to completion"
+            )
         row = json.loads(path.read_text())
-        if MEDIAN not in row:  # evaluated before the median was recorded: same figure, from its per-event table
+        if (
+            MEDIAN not in row
+        ):  # evaluated before the median was recorded: same figure, from its per-event table
             row[MEDIAN] = median_recovery(Path(run) / "characterization")
         rows.append(row)
     if not rows:
@@ -51,7 +55,9 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     table = grouped[columns].agg(["mean", "std"])
     table.columns = [f"{metric}_{stat}" for metric, stat in table.columns]
     table = table.fillna({c: 0.0 for c in table.columns if c.endswith("_std")})
-    table.insert(0, "seeds", grouped["seed"].apply(lambda s: ",".join(str(int(x)) for x in sorted(s))))
+    table.insert(
+        0, "seeds", grouped["seed"].apply(lambda s: ",".join(str(int(x)) for x in sorted(s)))
+    )
     table.insert(0, "n_seeds", grouped["seed"].nunique())
     return table.reset_index()
 
@@ -65,9 +71,11 @@ def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
     sign patterns whose |sum| is at least the observed one (exact for few pairs)."""
     d = np.asarray(differences, dtype=float)
     if d.size == 0 or np.isnan(d).any():
-        raise ValueError(f"paired differences must be a non-empty list of numbers, got {list(differences)}")
+        raise ValueError(
+            f"paired differences must be a non-empty list of numbers, got {list(differences)}"
+        )
     if d.size <= EXACT_PAIRS_MAX:
-        signs = 1 - 2 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)
+        signs = 1 - 2 * ((np.arange(2**d.size)[:, None] >> np.arange(d.size)) & 1)
     else:
         signs = np.random.default_rng(seed).choice([-1, 1], size=(MONTE_CARLO_FLIPS, d.size))
     return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) - 1e-12))
@@ -80,40 +88,61 @@ def paired_comparison(frame: pd.DataFrame) -> pd.DataFrame:
     metrics = [m for m in METRICS + [MEDIAN] if m in frame]
     for (family, precision), runs in frame.groupby(["family", "precision"], sort=True):
         for metric in metrics:
-            pivot = runs.pivot_table(index="seed", columns="objective", values=metric, aggfunc="first")
+            pivot = runs.pivot_table(
+                index="seed", columns="objective", values=metric, aggfunc="first"
+            )
             if not {"cot", "mistill"} <= set(pivot.columns):
                 continue
             both = pivot[["cot", "mistill"]].astype(float).dropna()
             if both.empty:
                 continue
             diff = both.mistill - both.cot
-            rows.append({"family": family, "precision": precision, "metric": metric, "n_pairs": len(both),
-                         "cot_mean": both.cot.mean(), "mistill_mean": both.mistill.mean(),
-                         "difference_mean": diff.mean(), "mistill_higher": int((diff > 0).sum()),
-                         "p_value": sign_flip_p_value(diff.tolist())})
+            rows.append(
+                {
+                    "family": family,
+                    "precision": precision,
+                    "metric": metric,
+                    "n_pairs": len(both),
+                    "cot_mean": both.cot.mean(),
+                    "mistill_mean": both.mistill.mean(),
+                    "difference_mean": diff.mean(),
+                    "mistill_higher": int((diff > 0).sum()),
+                    "p_value": sign_flip_p_value(diff.tolist()),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def _reported(table: pd.DataFrame) -> list[str]:
     optional = [MEDIAN, ATTENTION]
-    return METRICS + [m for m in optional if f"{m}_mean" in table and table[f"{m}_mean"].notna().any()]
+    return METRICS + [
+        m for m in optional if f"{m}_mean" in table and table[f"{m}_mean"].notna().any()
+    ]
 
 
 def report_json(table: pd.DataFrame) -> dict:
     out = {}
     for _, row in table.iterrows():
         key = "/".join(str(row[c]) for c in CELL)
-        out[key] = {"n_seeds": int(row["n_seeds"]),
-                    **{f"{m}_{s}": (None if pd.isna(row[f"{m}_{s}"]) else round(float(row[f"{m}_{s}"]), 4))
-                       for m in _reported(table) for s in ("mean", "std")}}
+        out[key] = {
+            "n_seeds": int(row["n_seeds"]),
+            **{
+                f"{m}_{s}": (None if pd.isna(row[f"{m}_{s}"]) else round(float(row[f"{m}_{s}"]), 4))
+                for m in _reported(table)
+                for s in ("mean", "std")
+            },
+        }
     return out
 
 
 def markdown_table(table: pd.DataFrame) -> str:
     def cell(value) -> str:
         return f"{value:.4f}" if isinstance(value, float) else str(value)
+
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    lines += [
+        "| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -125,27 +154,55 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
         rows = table[table.objective == objective]
         labels = [f"{f}/{p}" for f, p in zip(rows.family, rows.precision)]
         for col, metric in enumerate(metrics, start=1):
-            fig.add_trace(go.Bar(
-                x=labels, y=rows[f"{metric}_mean"], name=objective, legendgroup=objective, showlegend=col == 1,
-                marker_color=color, error_y=dict(type="data", array=rows[f"{metric}_std"].tolist()),
-                text=[f"n={n}" for n in rows.n_seeds], textposition="inside",  # seeds behind each bar
-            ), row=1, col=col)
-    fig.update_layout(barmode="group", title="MISTILL vs CoT distillation (mean ± std over seeds)", height=420, width=280 * len(metrics))
+            fig.add_trace(
+                go.Bar(
+                    x=labels,
+                    y=rows[f"{metric}_mean"],
+                    name=objective,
+                    legendgroup=objective,
+                    showlegend=col == 1,
+                    marker_color=color,
+                    error_y=dict(type="data", array=rows[f"{metric}_std"].tolist()),
+                    text=[f"n={n}" for n in rows.n_seeds],
+                    textposition="inside",  # seeds behind each bar
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_layout(
+        barmode="group",
+        title="MISTILL vs CoT distillation (mean ± std over seeds)",
+        height=420,
+        width=280 * len(metrics),
+    )
     return fig
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
     """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md`` and ``figure.html``; returns the
     JSON summary."""
-    out_dir = claim_run_dir(out_dir, "distill-report", legacy_run(
-        ["runs.csv", "table.md"], ["table.csv", "paired.csv", "figure.html", "figure.png", "plotly.min.js"]))
+    out_dir = claim_run_dir(
+        out_dir,
+        "distill-report",
+        legacy_run(
+            ["runs.csv", "table.md"],
+            ["table.csv", "paired.csv", "figure.html", "figure.png", "plotly.min.js"],
+        ),
+    )
     frame = load_evaluations(run_dirs)
     frame.to_csv(out_dir / "runs.csv", index=False)
     table = summarise(frame)
     table.to_csv(out_dir / "table.csv", index=False)
     paired = paired_comparison(frame)
     paired.to_csv(out_dir / "paired.csv", index=False)
-    (out_dir / "table.md").write_text(markdown_table(table) + (
-        "\nMISTILL vs CoT, paired by seed (sign-flip permutation p-value):\n\n" + markdown_table(paired) if len(paired) else ""))
+    (out_dir / "table.md").write_text(
+        markdown_table(table)
+        + (
+            "\nMISTILL vs CoT, paired by seed (sign-flip permutation p-value):\n\n"
+            + markdown_table(paired)
+            if len(paired)
+            else ""
+        )
+    )
     write_figure(report_figure(table), out_dir / "figure.html")
     return report_json(table)

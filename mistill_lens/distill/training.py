@@ -18,20 +18,46 @@ from typing import Mapping, Sequence
 import torch
 
 from mistill_lens import options, task
-from mistill_lens.options import check_options
 from mistill_lens.distill import OBJECTIVES
 from mistill_lens.distill.attention import (
-    DistillItem, attention_kl, collate_items, heads_in_layers, pattern_recorder, pooled_attention, student_item,
+    DistillItem,
+    attention_kl,
+    collate_items,
+    heads_in_layers,
+    pattern_recorder,
+    pooled_attention,
+    student_item,
+)
+from mistill_lens.lens.fingerprint import value_digest
+from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
+from mistill_lens.models.checkpoints import (
+    CheckpointError,
+    load_hf_model,
+    read_metadata,
+    save_checkpoint,
+    to_bridge,
+    weights_digest,
 )
 from mistill_lens.models.students import (
-    autocast, build_student, context_length, exportable, family_tokenizer, load_base_student, precision_dtype,
-    student_architecture, student_config,
+    autocast,
+    build_student,
+    context_length,
+    exportable,
+    family_tokenizer,
+    load_base_student,
+    precision_dtype,
+    student_architecture,
+    student_config,
 )
-from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
-from mistill_lens.lens.fingerprint import value_digest
-from mistill_lens.models.checkpoints import CheckpointError, load_hf_model, read_metadata, save_checkpoint, to_bridge, weights_digest
+from mistill_lens.options import check_options
 from mistill_lens.training.loop import (
-    TRAINING_STATE_FILE, claim_checkpoint_dir, encode, load_training_state, make_optimizer, output_loss, run_steps,
+    TRAINING_STATE_FILE,
+    claim_checkpoint_dir,
+    encode,
+    load_training_state,
+    make_optimizer,
+    output_loss,
+    run_steps,
 )
 
 
@@ -65,25 +91,40 @@ class DistillConfig:
     student_init: str | None = None
 
     def __post_init__(self):
-        check_options(self, seed=options.seed, steps=options.positive, batch_size=options.positive,
-                      lr=options.positive_float, warmup_steps=options.non_negative,
-                      weight_decay=options.non_negative_float, attention_weight=options.non_negative_float,
-                      n_layer=options.positive, n_head=options.positive, n_embd=options.positive,
-                      n_kv_head=options.positive, n_ctx=options.positive, checkpoint_every=options.positive,
-                      n_train=options.non_negative, data_seed=options.seed)
+        check_options(
+            self,
+            seed=options.seed,
+            steps=options.positive,
+            batch_size=options.positive,
+            lr=options.positive_float,
+            warmup_steps=options.non_negative,
+            weight_decay=options.non_negative_float,
+            attention_weight=options.non_negative_float,
+            n_layer=options.positive,
+            n_head=options.positive,
+            n_embd=options.positive,
+            n_kv_head=options.positive,
+            n_ctx=options.positive,
+            checkpoint_every=options.positive,
+            n_train=options.non_negative,
+            data_seed=options.seed,
+        )
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
         precision_dtype(self.precision)
         family_tokenizer(self.family)
         if self.student_layers is not None and self.student_head_set is not None:
-            raise ValueError("give the student's pooled heads either as layers or as a head set, not both")
+            raise ValueError(
+                "give the student's pooled heads either as layers or as a head set, not both"
+            )
 
     @property
     def effective_weight(self) -> float:
         return self.attention_weight if self.objective == "mistill" else 0.0
 
-    def student_heads(self, teacher_shape: tuple[int, int] | None = None,
-                      teacher_heads: Sequence[Head] = ()) -> list[Head]:
+    def student_heads(
+        self, teacher_shape: tuple[int, int] | None = None, teacher_heads: Sequence[Head] = ()
+    ) -> list[Head]:
         """The student heads whose attention is pooled. Default: for a same-family student of the
         teacher's shape (`teacher_shape` = its layers, heads), the teacher's own head positions
         (`teacher_heads`): the homologous heads; otherwise every head of the upper half of the layers.
@@ -99,8 +140,12 @@ class DistillConfig:
 
 
 def distillation_items(
-    examples: Sequence[task.Example], teacher, teacher_tokenizer, student_tokenizer,
-    heads_by_kind: Mapping[str, Sequence[Head]], n_ctx: int,
+    examples: Sequence[task.Example],
+    teacher,
+    teacher_tokenizer,
+    student_tokenizer,
+    heads_by_kind: Mapping[str, Sequence[Head]],
+    n_ctx: int,
 ) -> tuple[list[DistillItem], int]:
     """Items for every example that fits the student's context, and how many did not fit."""
     items, too_long = [], 0
@@ -108,9 +153,15 @@ def distillation_items(
         if len(encode(student_tokenizer, example.prompt, example.output)[0]) > n_ctx:
             too_long += 1
             continue
-        items.append(student_item(example, index, teacher, teacher_tokenizer, student_tokenizer, heads_by_kind, n_ctx))
+        items.append(
+            student_item(
+                example, index, teacher, teacher_tokenizer, student_tokenizer, heads_by_kind, n_ctx
+            )
+        )
     if not items:
-        raise ValueError(f"none of the {len(examples)} distillation examples fits the student's {n_ctx}-token context")
+        raise ValueError(
+            f"none of the {len(examples)} distillation examples fits the student's {n_ctx}-token context"
+        )
     return items, too_long
 
 
@@ -119,7 +170,9 @@ def batch_indices(step: int, batch_size: int, n_items: int, seed: int) -> list[i
     indices = []
     for slot in range(step * batch_size, (step + 1) * batch_size):
         epoch, offset = divmod(slot, n_items)
-        order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        order = torch.randperm(
+            n_items, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)
+        )
         indices.append(int(order[offset]))
     return indices
 
@@ -128,14 +181,19 @@ def tail_mean(values: Sequence[float], fraction: float = 0.1) -> float | None:
     """Mean of the last ``fraction`` of ``values`` (at least one), None when empty."""
     if not values:
         return None
-    tail = values[-max(1, int(len(values) * fraction)):]
+    tail = values[-max(1, int(len(values) * fraction)) :]
     return round(sum(tail) / len(tail), 5)
 
 
-def student_losses(student_hf, student_bridge, batch, heads: Sequence[Head], precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def student_losses(
+    student_hf, student_bridge, batch, heads: Sequence[Head], precision: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(CoT loss, attention loss) of one batch from one forward pass of the bridged student."""
     store: dict[int, torch.Tensor] = {}
-    with student_bridge.hooks(fwd_hooks=pattern_recorder([layer for layer, _ in heads], store)), autocast(precision):
+    with (
+        student_bridge.hooks(fwd_hooks=pattern_recorder([layer for layer, _ in heads], store)),
+        autocast(precision),
+    ):
         cot = output_loss(student_hf, batch.ids, batch.attention, batch.targets)
         pooled = pooled_attention(store, heads, batch.query_positions)
     return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)
@@ -144,16 +202,23 @@ def student_losses(student_hf, student_bridge, batch, heads: Sequence[Head], pre
 DISTILL_FORMAT = "distill-v1"  # bump when the training state's layout or meaning changes
 
 
-def distill_fingerprint(config: DistillConfig, examples: Sequence[task.Example],
-                        heads_by_kind: Mapping[str, Sequence[Head]]) -> dict[str, str]:
+def distill_fingerprint(
+    config: DistillConfig,
+    examples: Sequence[task.Example],
+    heads_by_kind: Mapping[str, Sequence[Head]],
+) -> dict[str, str]:
     """Inputs of a distillation run beyond its configuration (which names the teacher's weights):
     the state format, the training examples with the teacher's outputs and events, the teacher
     head sets that make the attention targets, and the base student's weights."""
     return {
         "format": DISTILL_FORMAT,
         "examples": value_digest([asdict(e) for e in examples]),
-        "teacher heads": value_digest({k: sorted(map(list, v)) for k, v in sorted(heads_by_kind.items())}),
-        "student init weights": weights_digest(config.student_init) if config.student_init else "fresh",
+        "teacher heads": value_digest(
+            {k: sorted(map(list, v)) for k, v in sorted(heads_by_kind.items())}
+        ),
+        "student init weights": weights_digest(config.student_init)
+        if config.student_init
+        else "fresh",
     }
 
 
@@ -162,15 +227,26 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
     if state is None:
         return None
     head_set = state["config"].get("student_head_set")
-    saved = DistillConfig(**{**state["config"], "student_layers": _tuple(state["config"]["student_layers"]),
-                             "student_head_set": None if head_set is None else tuple(tuple(h) for h in head_set)})
+    saved = DistillConfig(
+        **{
+            **state["config"],
+            "student_layers": _tuple(state["config"]["student_layers"]),
+            "student_head_set": None if head_set is None else tuple(tuple(h) for h in head_set),
+        }
+    )
     if saved != config:
-        differing = [f.name for f in fields(DistillConfig) if getattr(saved, f.name) != getattr(config, f.name)]
+        differing = [
+            f.name
+            for f in fields(DistillConfig)
+            if getattr(saved, f.name) != getattr(config, f.name)
+        ]
         raise CheckpointError(
             f"{out_dir} holds a distillation run with a different configuration ({', '.join(differing)}); "
             "use another --out or the same options"
         )
-    model, _ = load_hf_model(out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager")
+    model, _ = load_hf_model(
+        out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager"
+    )
     return model, state
 
 
@@ -187,13 +263,22 @@ def initial_student(config: DistillConfig):
         architecture = student_architecture(student)
         differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
         if differing:
-            raise CheckpointError(f"--student-init {config.student_init} has architecture {differing}, "
-                                  "unlike the run's configuration")
+            raise CheckpointError(
+                f"--student-init {config.student_init} has architecture {differing}, "
+                "unlike the run's configuration"
+            )
         return student
     tokenizer = family_tokenizer(config.family)
-    hf_config = student_config(config.family, len(tokenizer), tokenizer.eos_token_id, n_layer=config.n_layer,
-                               n_head=config.n_head, n_embd=config.n_embd, n_kv_head=config.n_kv_head,
-                               n_ctx=config.n_ctx)
+    hf_config = student_config(
+        config.family,
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        n_kv_head=config.n_kv_head,
+        n_ctx=config.n_ctx,
+    )
     return build_student(hf_config, config.seed).to(dtype)
 
 
@@ -233,15 +318,23 @@ def distill(
     n_params = sum(p.numel() for p in student.parameters())
     bridge = to_bridge(student, tokenizer, dtype=dtype)
     bridge.train()
-    heads = validate_heads(bridge, config.student_heads(
-        n_layers_heads(teacher), [head for kind_heads in heads_by_kind.values() for head in kind_heads]))
+    heads = validate_heads(
+        bridge,
+        config.student_heads(
+            n_layers_heads(teacher),
+            [head for kind_heads in heads_by_kind.values() for head in kind_heads],
+        ),
+    )
     if resumed is not None:
         trained_with = [tuple(h) for h in read_metadata(out_dir).get("student_heads", heads)]
         if trained_with != list(heads):
-            raise CheckpointError(f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
-                                  f"{list(heads)} (a changed default?): pass --student-heads to match, or use another --out")
-    items, too_long = distillation_items(examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind,
-                                         context_length(student))
+            raise CheckpointError(
+                f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
+                f"{list(heads)} (a changed default?): pass --student-heads to match, or use another --out"
+            )
+    items, too_long = distillation_items(
+        examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, context_length(student)
+    )
     parameters = [p for p in student.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, parameters)
     if resumed is not None:
@@ -249,51 +342,98 @@ def distill(
     n_events = sum(len(item.query_positions) for item in items)
     run_warnings = []
     if n_events == 0:
-        message = (f"the {len(items)} distillation examples hold no teacher decision event, so the attention loss "
-                   "has nothing to supervise")
+        message = (
+            f"the {len(items)} distillation examples hold no teacher decision event, so the attention loss "
+            "has nothing to supervise"
+        )
         if config.effective_weight > 0:
-            raise ValueError(f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)")
+            raise ValueError(
+                f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)"
+            )
         run_warnings.append(message)
     elif 2 * sum(bool(item.query_positions) for item in items) <= len(items):
         with_events = sum(bool(item.query_positions) for item in items)
-        run_warnings.append(f"only {with_events} of {len(items)} distillation examples hold a teacher decision event "
-                            f"({n_events} events): most batches hold none, so the attention loss supervises few steps")
+        run_warnings.append(
+            f"only {with_events} of {len(items)} distillation examples hold a teacher decision event "
+            f"({n_events} events): most batches hold none, so the attention loss supervises few steps"
+        )
     if too_long:
-        run_warnings.append(f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
-                            "were left out")
+        run_warnings.append(
+            f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
+            "were left out"
+        )
 
     def save(step: int, elapsed: float) -> dict:
         metadata = {
-            "role": "student", "command": command, "config": asdict(config), "step": step,
-            "n_params": n_params, "train_time_s": round(elapsed, 1),
+            "role": "student",
+            "command": command,
+            "config": asdict(config),
+            "step": step,
+            "n_params": n_params,
+            "train_time_s": round(elapsed, 1),
             "final_loss": log["loss"][-1] if log["loss"] else None,
             "final_cot_loss": log["cot"][-1] if log["cot"] else None,
             # Batches without an event log no attention loss (None). One batch is noisy: the mean
             # over the last tenth of the logged steps compares objectives; the CoT run logs it
             # too, unweighted.
-            "final_attention_loss": next((v for v in reversed(log["attention"]) if v is not None), None),
+            "final_attention_loss": next(
+                (v for v in reversed(log["attention"]) if v is not None), None
+            ),
             "attention_loss_tail": tail_mean([v for v in log["attention"] if v is not None]),
             "warnings": run_warnings,
-            "n_items": len(items), "n_events": n_events, "n_too_long": too_long,
+            "n_items": len(items),
+            "n_events": n_events,
+            "n_too_long": too_long,
             "student_heads": [list(h) for h in heads],
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
-            "torch": torch.__version__, **dict(extra_metadata or {}),
+            "torch": torch.__version__,
+            **dict(extra_metadata or {}),
             **({"student_init": read_metadata(config.student_init)} if config.student_init else {}),
         }
-        state = {"config": asdict(config), "fingerprint": fingerprint, "step": step, "elapsed_s": elapsed, "log": log,
-                 "optimizer": optimizer.state_dict()}
-        save_checkpoint(exportable(student), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        state = {
+            "config": asdict(config),
+            "fingerprint": fingerprint,
+            "step": step,
+            "elapsed_s": elapsed,
+            "log": log,
+            "optimizer": optimizer.state_dict(),
+        }
+        save_checkpoint(
+            exportable(student),
+            tokenizer,
+            out_dir,
+            metadata,
+            training_state={TRAINING_STATE_FILE: state},
+        )
         return metadata
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
-        batch = collate_items([items[i] for i in batch_indices(step, config.batch_size, len(items), config.seed)],
-                              tokenizer.pad_token_id)
+        batch = collate_items(
+            [items[i] for i in batch_indices(step, config.batch_size, len(items), config.seed)],
+            tokenizer.pad_token_id,
+        )
         cot, attention = student_losses(student, bridge, batch, heads, config.precision)
         loss = cot + config.effective_weight * attention
         has_events = bool(batch.event_mask.any())
-        for name, value in (("loss", loss), ("cot", cot), ("attention", attention if has_events else None)):
+        for name, value in (
+            ("loss", loss),
+            ("cot", cot),
+            ("attention", attention if has_events else None),
+        ):
             log[name].append(None if value is None else round(value.item(), 5))
-        return loss, {"cot": f"{cot.item():.3f}", "att": f"{attention.item():.3f}" if has_events else "-"}
+        return loss, {
+            "cot": f"{cot.item():.3f}",
+            "att": f"{attention.item():.3f}" if has_events else "-",
+        }
 
-    return run_steps(config, optimizer, parameters, step, elapsed, loss_at, save,
-                     desc=f"distill {config.family}/{config.objective}", progress=progress)
+    return run_steps(
+        config,
+        optimizer,
+        parameters,
+        step,
+        elapsed,
+        loss_at,
+        save,
+        desc=f"distill {config.family}/{config.objective}",
+        progress=progress,
+    )

@@ -22,7 +22,10 @@ from mistill_lens.lens.events import NULL_KIND, DecisionEvent, EncodedExample, k
 
 
 def null_events(
-    examples: Sequence[EncodedExample], events: Sequence[DecisionEvent], per_event: int = 1, seed: int = 0
+    examples: Sequence[EncodedExample],
+    events: Sequence[DecisionEvent],
+    per_event: int = 1,
+    seed: int = 0,
 ) -> list[DecisionEvent]:
     """`per_event` null events per real event, drawn from the output positions of the same example
     that are not decision tokens, with contrasts shuffled among the null events. Where the output
@@ -34,15 +37,21 @@ def null_events(
     for event in events:
         example = by_id[event.example_id]
         decided = {e.position for e in example.events}
-        eligible = [p for p in range(max(1, example.prompt_tokens), len(example.tokens)) if p not in decided]
+        eligible = [
+            p for p in range(max(1, example.prompt_tokens), len(example.tokens)) if p not in decided
+        ]
         if len(eligible) < per_event:  # a short answer: non-decision positions anywhere in the text
             eligible = [p for p in range(1, len(example.tokens)) if p not in decided]
         if len(eligible) < per_event:
-            raise ValueError(f"example {example.example_id} has {len(eligible)} non-decision positions, {per_event} needed")
+            raise ValueError(
+                f"example {example.example_id} has {len(eligible)} non-decision positions, {per_event} needed"
+            )
         drawn += [(example.example_id, p) for p in rng.sample(eligible, per_event)]
     chosen = [by_id[i].tokens[p] for i, p in drawn]
     if len(set(chosen)) < 2:
-        raise ValueError("all null positions predict the same token: no contrast can be shuffled in")
+        raise ValueError(
+            "all null positions predict the same token: no contrast can be shuffled in"
+        )
     order = list(range(len(drawn)))
     rng.shuffle(order)
     nulls = []
@@ -50,10 +59,15 @@ def null_events(
         # the shuffled partner, or the next one along the shuffled order if it predicts the same token
         partners = (chosen[order[(index + step) % len(order)]] for step in range(len(order)))
         contrast = next(token for token in partners if token != chosen[index])
-        nulls.append(DecisionEvent(
-            example_id=example_id, kind=NULL_KIND, position=position, chosen_token=chosen[index],
-            contrast_tokens=(contrast,),
-        ))
+        nulls.append(
+            DecisionEvent(
+                example_id=example_id,
+                kind=NULL_KIND,
+                position=position,
+                chosen_token=chosen[index],
+                contrast_tokens=(contrast,),
+            )
+        )
     return nulls
 
 
@@ -88,10 +102,19 @@ class Calibration:
     def to_frame(self) -> pd.DataFrame:
         n_layers, n_heads = self.null_mean.shape
         rows = [
-            {"kind": kind, "layer": l, "head": h, "raw": float(self.raw[k, l, h]),
-             "null_mean": float(self.null_mean[l, h]), "null_std": float(self.null_std[l, h]),
-             "above_null": float(self.above_null[k, l, h]), "z": float(self.z[k, l, h])}
-            for k, kind in enumerate(self.kinds) for l in range(n_layers) for h in range(n_heads)
+            {
+                "kind": kind,
+                "layer": l,
+                "head": h,
+                "raw": float(self.raw[k, l, h]),
+                "null_mean": float(self.null_mean[l, h]),
+                "null_std": float(self.null_std[l, h]),
+                "above_null": float(self.above_null[k, l, h]),
+                "z": float(self.z[k, l, h]),
+            }
+            for k, kind in enumerate(self.kinds)
+            for l in range(n_layers)
+            for h in range(n_heads)
         ]
         return pd.DataFrame(rows)
 
@@ -109,11 +132,20 @@ def calibrate(
     if null_effects.shape[0] < 2:
         raise ValueError("at least two null events are needed for a null standard deviation")
     if real_effects.shape[1:] != null_effects.shape[1:]:
-        raise ValueError(f"real {tuple(real_effects.shape[1:])} and null {tuple(null_effects.shape[1:])} head grids differ")
+        raise ValueError(
+            f"real {tuple(real_effects.shape[1:])} and null {tuple(null_effects.shape[1:])} head grids differ"
+        )
     if torch.isnan(real_effects).any() or torch.isnan(null_effects).any():
         raise FloatingPointError("NaN head effect passed to calibrate")
     kinds = tuple(dict.fromkeys(real_kinds))
     raw = torch.stack([real_effects[kind_mask(real_kinds, kind)].mean(dim=0) for kind in kinds])
     n_events = tuple(int(kind_mask(real_kinds, kind).sum()) for kind in kinds)
-    return Calibration(kinds, raw, null_effects.mean(dim=0), null_effects.std(dim=0), std_floor, n_events,
-                       null_effects.shape[0])
+    return Calibration(
+        kinds,
+        raw,
+        null_effects.mean(dim=0),
+        null_effects.std(dim=0),
+        std_floor,
+        n_events,
+        null_effects.shape[0],
+    )

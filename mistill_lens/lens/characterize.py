@@ -27,26 +27,58 @@ from torch import Tensor
 
 from mistill_lens import options
 from mistill_lens.lens import plot
-from mistill_lens.options import check_options
 from mistill_lens.lens.calibration import Calibration, calibrate, null_events
 from mistill_lens.lens.circuits import (
-    ablation_curve, attention_mass, circuit_report, family_targets, head_families, phase_structure, select_circuit,
+    ablation_curve,
+    attention_mass,
+    circuit_report,
+    family_targets,
+    head_families,
+    phase_structure,
+    select_circuit,
 )
-from mistill_lens.lens.elicitation import carrying_heads, elicitation_curve, elicitation_lead, top_heads
+from mistill_lens.lens.elicitation import (
+    carrying_heads,
+    elicitation_curve,
+    elicitation_lead,
+    top_heads,
+)
 from mistill_lens.lens.events import (
-    DecisionEvent, EncodedExample, EventBatch, decided_rows, events_from_spans, kind_mask, make_event_batch,
+    DecisionEvent,
+    EncodedExample,
+    EventBatch,
+    decided_rows,
+    events_from_spans,
+    kind_mask,
+    make_event_batch,
 )
 from mistill_lens.lens.fingerprint import StaleResultWarning
-from mistill_lens.runs import claim_run_dir, legacy_run
-from mistill_lens.lens.hooks import Head, HeadMeans, all_heads, attribution_scores, means_from_events
+from mistill_lens.lens.hooks import (
+    Head,
+    HeadMeans,
+    all_heads,
+    attribution_scores,
+    means_from_events,
+)
 from mistill_lens.lens.sweep import ablation_sweep, clean_margins, effects_tensor
+from mistill_lens.options import check_options
+from mistill_lens.runs import claim_run_dir, legacy_run
 
 REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
 RUN_KIND = "characterize"
 # Files a characterisation writes: the resumable sweeps, and what each run derives afresh.
 RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
-DERIVED_FILES = ("attribution.csv", "calibration.csv", "events.csv", "families.csv", "elicitation.csv",
-                 "ablation_curve.csv", "heads.json", "summary.json", "figures")
+DERIVED_FILES = (
+    "attribution.csv",
+    "calibration.csv",
+    "events.csv",
+    "families.csv",
+    "elicitation.csv",
+    "ablation_curve.csv",
+    "heads.json",
+    "summary.json",
+    "figures",
+)
 
 
 @dataclass
@@ -56,7 +88,9 @@ class CharacterizeConfig:
     z_min: float = 3.0
     rel_min: float = 0.1
     max_heads_per_kind: int | None = None
-    thresholds: dict[str, float] = field(default_factory=lambda: {"necessity": 0.5, "sufficiency": 0.5, "knock_in": 0.5})
+    thresholds: dict[str, float] = field(
+        default_factory=lambda: {"necessity": 0.5, "sufficiency": 0.5, "knock_in": 0.5}
+    )
     ks: tuple[int, ...] = tuple(range(1, 9))
     elicitation_threshold: float = 0.5
     min_margin: float = 0.0
@@ -76,18 +110,28 @@ class CharacterizeConfig:
     elicitation_kind: str | None = None
 
     def __post_init__(self):
-        check_options(self, seed=options.seed, null_per_event=options.positive, attribution_batch_size=options.positive,
-                      curve_points=options.positive, sweep_top=options.positive,
-                      min_events_per_kind=options.non_negative)
+        check_options(
+            self,
+            seed=options.seed,
+            null_per_event=options.positive,
+            attribution_batch_size=options.positive,
+            curve_points=options.positive,
+            sweep_top=options.positive,
+            min_events_per_kind=options.non_negative,
+        )
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
 
 def encode(examples: Sequence[Any], tokenizer, first_id: int = 0) -> list[EncodedExample]:
-    return [events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)]
+    return [
+        events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)
+    ]
 
 
-def reference_means(model, reference: Sequence[EncodedExample], null_per_event: int, seed: int, pad_token_id: int) -> HeadMeans:
+def reference_means(
+    model, reference: Sequence[EncodedExample], null_per_event: int, seed: int, pad_token_id: int
+) -> HeadMeans:
     """Exact per-class means from real runs on separate reference examples: one class per event
     kind (at its predicting position) plus the null class."""
     events = [e for x in reference for e in x.events]
@@ -95,17 +139,25 @@ def reference_means(model, reference: Sequence[EncodedExample], null_per_event: 
     return means_from_events(model, make_event_batch(reference, events + nulls, pad_token_id))
 
 
-def chunked_attribution(model, batch: EventBatch, means: HeadMeans, batch_size: int) -> Float[Tensor, "event layer head"]:
+def chunked_attribution(
+    model, batch: EventBatch, means: HeadMeans, batch_size: int
+) -> Float[Tensor, "event layer head"]:
     """Attribution scores, one forward + backward per chunk of events (memory stays bounded)."""
-    return torch.cat([
-        attribution_scores(model, batch.select(range(s, min(s + batch_size, len(batch)))), means)
-        for s in range(0, len(batch), batch_size)
-    ])
+    return torch.cat(
+        [
+            attribution_scores(
+                model, batch.select(range(s, min(s + batch_size, len(batch)))), means
+            )
+            for s in range(0, len(batch), batch_size)
+        ]
+    )
 
 
 def rank_correlation(a: Tensor, b: Tensor) -> float:
     """Spearman correlation of two flat tensors (average ranks for ties)."""
-    pairs = pd.DataFrame({"a": a.flatten().tolist(), "b": b.flatten().tolist()}).dropna()  # NaN: head not swept
+    pairs = pd.DataFrame(
+        {"a": a.flatten().tolist(), "b": b.flatten().tolist()}
+    ).dropna()  # NaN: head not swept
     ranks = pairs.rank()
     return float(ranks["a"].corr(ranks["b"]))
 
@@ -115,15 +167,23 @@ def heads_json(calibration: Calibration, circuits: Mapping[str, list[Head]]) -> 
         rows = []
         for layer, head in heads:
             entry = {"layer": layer, "head": head}
-            for k in ([kind] if kind != "all" else calibration.kinds):
+            for k in [kind] if kind != "all" else calibration.kinds:
                 i = calibration.kind_index(k)
                 prefix = "" if kind != "all" else f"{k}_"
-                entry.update({f"{prefix}z": float(calibration.z[i, layer, head]),
-                              f"{prefix}above_null": float(calibration.above_null[i, layer, head]),
-                              f"{prefix}raw": float(calibration.raw[i, layer, head])})
-            entry.update(null_mean=float(calibration.null_mean[layer, head]), null_std=float(calibration.null_std[layer, head]))
+                entry.update(
+                    {
+                        f"{prefix}z": float(calibration.z[i, layer, head]),
+                        f"{prefix}above_null": float(calibration.above_null[i, layer, head]),
+                        f"{prefix}raw": float(calibration.raw[i, layer, head]),
+                    }
+                )
+            entry.update(
+                null_mean=float(calibration.null_mean[layer, head]),
+                null_std=float(calibration.null_std[layer, head]),
+            )
             rows.append(entry)
         return rows
+
     return {kind: describe(kind, heads) for kind, heads in circuits.items()}
 
 
@@ -146,20 +206,32 @@ def characterize(
     (its `warnings`, if any, join the pipeline's).
     """
     if not examples:
-        raise ValueError("no examples to characterise: give at least one example with decision events")
+        raise ValueError(
+            "no examples to characterise: give at least one example with decision events"
+        )
     if not reference_examples:
         raise ValueError("no reference examples: the mean-ablation means need at least one")
     torch.manual_seed(config.seed)
     out_dir = prepare_output(out_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = _characterize(model, tokenizer, examples, reference_examples, out_dir, config, region_candidates,
-                                near_miss_text)
+        summary = _characterize(
+            model,
+            tokenizer,
+            examples,
+            reference_examples,
+            out_dir,
+            config,
+            region_candidates,
+            near_miss_text,
+        )
     for warning in caught:  # ours go into the summary, anyone else's back to the caller
         if issubclass(warning.category, StaleResultWarning):
             summary["warnings"].append(str(warning.message))
         else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     summary["config"] = asdict(config)
     extra = dict(provenance or {})
     summary["warnings"].extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
@@ -170,9 +242,20 @@ def characterize(
 
 def claim_characterize_dir(out_dir: str | Path) -> Path:
     """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
-    return claim_run_dir(out_dir, RUN_KIND, legacy_run(
-        ["summary.json"], [*RESUMABLE_FILES, *DERIVED_FILES, *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
-                           "generations.jsonl", "reference_generations.jsonl"]))
+    return claim_run_dir(
+        out_dir,
+        RUN_KIND,
+        legacy_run(
+            ["summary.json"],
+            [
+                *RESUMABLE_FILES,
+                *DERIVED_FILES,
+                *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
+                "generations.jsonl",
+                "reference_generations.jsonl",
+            ],
+        ),
+    )
 
 
 def prepare_output(out_dir: str | Path) -> Path:
@@ -189,8 +272,16 @@ def prepare_output(out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path, config: CharacterizeConfig,
-                  region_candidates, near_miss_text) -> dict:
+def _characterize(
+    model,
+    tokenizer,
+    examples,
+    reference_examples,
+    out_dir: Path,
+    config: CharacterizeConfig,
+    region_candidates,
+    near_miss_text,
+) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded = encode(examples, tokenizer)
     reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
@@ -199,24 +290,56 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
     every_event = make_event_batch(encoded, pad_token_id=pad)
     decided = decided_rows(clean_margins(model, every_event), config.min_margin)
     if len(decided) == 0:
-        raise ValueError(f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise")
+        raise ValueError(
+            f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise"
+        )
     batch = every_event.select(decided)
-    nulls = make_event_batch(encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad)
+    nulls = make_event_batch(
+        encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad
+    )
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
 
     attribution = chunked_attribution(model, batch, means, config.attribution_batch_size)
-    swept = all_heads(model) if config.sweep_top is None else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
-    sweep = ablation_sweep(model, batch, means, out_dir / "sweep.csv", heads=swept, progress=config.progress,
-                           stale=config.stale)
-    null_sweep = ablation_sweep(model, nulls, means, out_dir / "sweep_null.csv", heads=swept, progress=config.progress,
-                                stale=config.stale)
+    swept = (
+        all_heads(model)
+        if config.sweep_top is None
+        else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
+    )
+    sweep = ablation_sweep(
+        model,
+        batch,
+        means,
+        out_dir / "sweep.csv",
+        heads=swept,
+        progress=config.progress,
+        stale=config.stale,
+    )
+    null_sweep = ablation_sweep(
+        model,
+        nulls,
+        means,
+        out_dir / "sweep_null.csv",
+        heads=swept,
+        progress=config.progress,
+        stale=config.stale,
+    )
     exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
     null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
-    pd.DataFrame([
-        {"event_row": e, "kind": batch.kinds[e], "layer": l, "head": h,
-         "attribution": float(attribution[e, l, h]), "exact": float(exact[e, l, h])}
-        for e in range(len(batch)) for l in range(n_layers) for h in range(n_heads)
-    ]).to_csv(out_dir / "attribution.csv", index=False)
+    pd.DataFrame(
+        [
+            {
+                "event_row": e,
+                "kind": batch.kinds[e],
+                "layer": l,
+                "head": h,
+                "attribution": float(attribution[e, l, h]),
+                "exact": float(exact[e, l, h]),
+            }
+            for e in range(len(batch))
+            for l in range(n_layers)
+            for h in range(n_heads)
+        ]
+    ).to_csv(out_dir / "attribution.csv", index=False)
 
     calibration = calibrate(exact.nan_to_num(0.0), batch.kinds, null_exact.nan_to_num(0.0))
     calibration.to_frame().to_csv(out_dir / "calibration.csv", index=False)
@@ -224,32 +347,64 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
     circuit = circuits["all"]
     (out_dir / "heads.json").write_text(json.dumps(heads_json(calibration, circuits), indent=2))
 
-    warned = [f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
-              "its circuit measures rest on very few events" for kind in dict.fromkeys(batch.kinds)
-              if batch.kinds.count(kind) < config.min_events_per_kind]
+    warned = [
+        f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
+        "its circuit measures rest on very few events"
+        for kind in dict.fromkeys(batch.kinds)
+        if batch.kinds.count(kind) < config.min_events_per_kind
+    ]
     if not circuit:
-        warned.append(f"no head passes z >= {config.z_min}: the circuit is empty, so necessity, sufficiency and "
-                      "knock-in are not measured (see top_heads, or lower z_min)")
+        warned.append(
+            f"no head passes z >= {config.z_min}: the circuit is empty, so necessity, sufficiency and "
+            "knock-in are not measured (see top_heads, or lower z_min)"
+        )
     summary: dict[str, Any] = {
         "warnings": warned,
-        "circuit_size": len(circuit), "n_heads_total": n_layers * n_heads, "n_heads_swept": len(swept),
+        "circuit_size": len(circuit),
+        "n_heads_total": n_layers * n_heads,
+        "n_heads_swept": len(swept),
         "circuit": [list(h) for h in circuit],
-        "n_examples": len(encoded), "n_events": len(every_event), "n_decided_events": len(batch),
-        "n_null_events": len(nulls), "thresholds": config.thresholds,
+        "n_examples": len(encoded),
+        "n_events": len(every_event),
+        "n_decided_events": len(batch),
+        "n_null_events": len(nulls),
+        "thresholds": config.thresholds,
         "attribution_vs_ablation_spearman": {
             "all": rank_correlation(attribution, exact),
-            **{k: rank_correlation(attribution[kind_mask(batch.kinds, k)], exact[kind_mask(batch.kinds, k)])
-               for k in calibration.kinds},
+            **{
+                k: rank_correlation(
+                    attribution[kind_mask(batch.kinds, k)], exact[kind_mask(batch.kinds, k)]
+                )
+                for k in calibration.kinds
+            },
         },
         "phase_structure": phase_structure(calibration, circuits),
         # the strongest heads per kind whether or not they pass selection: what to look at when the
         # circuit is empty or when choosing --z-min
-        "top_heads": {kind: [{"layer": l, "head": h, "z": float(calibration.z[k, l, h]), "raw": float(calibration.raw[k, l, h])}
-                             for l, h in top_heads(calibration.z[k], 5)] for k, kind in enumerate(calibration.kinds)},
+        "top_heads": {
+            kind: [
+                {
+                    "layer": l,
+                    "head": h,
+                    "z": float(calibration.z[k, l, h]),
+                    "raw": float(calibration.raw[k, l, h]),
+                }
+                for l, h in top_heads(calibration.z[k], 5)
+            ]
+            for k, kind in enumerate(calibration.kinds)
+        },
     }
-    per_kind = {kind: {"necessity": None, "sufficiency": None, "knock_in": None, "coverage": None,
-                       "n_events": batch.kinds.count(kind), "circuit": [list(h) for h in circuits[kind]]}
-                for kind in calibration.kinds}
+    per_kind = {
+        kind: {
+            "necessity": None,
+            "sufficiency": None,
+            "knock_in": None,
+            "coverage": None,
+            "n_events": batch.kinds.count(kind),
+            "circuit": [list(h) for h in circuits[kind]],
+        }
+        for kind in calibration.kinds
+    }
     if circuit:
         report = circuit_report(model, batch, means, circuit, seed=config.seed)
         report.to_frame().to_csv(out_dir / "events.csv", index=False)
@@ -258,41 +413,71 @@ def _characterize(model, tokenizer, examples, reference_examples, out_dir: Path,
     summary.update(per_kind)  # per kind at the top level: summary["region"]["necessity"]
 
     by_id = {x.example_id: x for x in encoded}
-    targets = [family_targets(by_id[e.example_id], e, near_miss_text(examples[e.example_id], e) if near_miss_text else None)
-               for e in batch.events]
+    targets = [
+        family_targets(
+            by_id[e.example_id],
+            e,
+            near_miss_text(examples[e.example_id], e) if near_miss_text else None,
+        )
+        for e in batch.events
+    ]
     families_table = pd.DataFrame()
     if targets:
-        masses = {family: attention_mass(model, batch, [t[family] for t in targets]) for family in targets[0]}
-        baselines = {family: torch.tensor([len(t[family]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)])
-                     for family in masses}
+        masses = {
+            family: attention_mass(model, batch, [t[family] for t in targets])
+            for family in targets[0]
+        }
+        baselines = {
+            family: torch.tensor(
+                [len(t[family]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]
+            )
+            for family in masses
+        }
         families_table = head_families(masses, batch.kinds, all_heads(model), baselines)
         families_table.to_csv(out_dir / "families.csv", index=False)
-        in_circuit = families_table[[(l, h) in set(circuit) for l, h in zip(families_table.layer, families_table["head"])]]
-        summary["families"] = {f"L{l}H{h}/{k}": fam for k, l, h, fam in
-                               zip(in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family)}
+        in_circuit = families_table[
+            [(l, h) in set(circuit) for l, h in zip(families_table.layer, families_table["head"])]
+        ]
+        summary["families"] = {
+            f"L{l}H{h}/{k}": fam
+            for k, l, h, fam in zip(
+                in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family
+            )
+        }
 
-    summary["elicitation"], elicitation = _elicitation(model, batch, circuits, region_candidates, config)
+    summary["elicitation"], elicitation = _elicitation(
+        model, batch, circuits, region_candidates, config
+    )
     if elicitation is not None:
         elicitation.to_csv(out_dir / "elicitation.csv", index=False)
     elif config.elicitation_kind is not None:
         warned.append(f"early elicitation skipped: {summary['elicitation']['skipped']}")
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
-    curve = ablation_curve(model, batch, means, ranked, seed=config.seed, max_points=config.curve_points)
+    curve = ablation_curve(
+        model, batch, means, ranked, seed=config.seed, max_points=config.curve_points
+    )
     curve.to_csv(out_dir / "ablation_curve.csv", index=False)
 
     figures = out_dir / "figures"
     plot.write_figure(plot.head_map_figure(calibration), figures / "head_maps.html")
     plot.write_figure(plot.ablation_curve_figure(curve), figures / "ablation_curve.html")
     if len(families_table):
-        plot.write_figure(plot.attention_families_figure(families_table), figures / "attention_families.html")
+        plot.write_figure(
+            plot.attention_families_figure(families_table), figures / "attention_families.html"
+        )
     if elicitation is not None:
         plot.write_figure(plot.elicitation_figure(elicitation), figures / "elicitation.html")
     return summary
 
 
-def _elicitation(model, batch: EventBatch, circuits: Mapping[str, list[Head]], region_candidates,
-                 config: CharacterizeConfig) -> tuple[dict, pd.DataFrame | None]:
+def _elicitation(
+    model,
+    batch: EventBatch,
+    circuits: Mapping[str, list[Head]],
+    region_candidates,
+    config: CharacterizeConfig,
+) -> tuple[dict, pd.DataFrame | None]:
     """Readout summary of `config.elicitation_kind` events (lead in tokens, the early head set vs
     the late set, that kind's circuit) and the readout curve; the curve is None when skipped."""
     kind = config.elicitation_kind
@@ -302,9 +487,14 @@ def _elicitation(model, batch: EventBatch, circuits: Mapping[str, list[Head]], r
     regions = batch.of_kind(kind) if kind in batch.kinds else None
     if regions is None or len({e.example_id for e in regions.events}) < 4:
         return {"skipped": f"fewer than 4 examples with a decided {kind} event"}, None
-    candidates = region_candidates or sorted({int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]})
+    candidates = region_candidates or sorted(
+        {int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]}
+    )
     curve = elicitation_curve(model, regions, candidates, config.ks, seed=config.seed)
-    lead = {method: elicitation_lead(curve, method, config.elicitation_threshold) for method in ("probe", "logit_lens")}
+    lead = {
+        method: elicitation_lead(curve, method, config.elicitation_threshold)
+        for method in ("probe", "logit_lens")
+    }
     # the earliest position still readable (at least 2: k=1 is the decision position itself)
     k_early = max(2, lead["probe"])
     at_k = curve[(curve.method == "probe") & (curve.k == k_early)]
@@ -315,9 +505,13 @@ def _elicitation(model, batch: EventBatch, circuits: Mapping[str, list[Head]], r
     early = [h for h in top_heads(drops, max(1, len(late_heads))) if float(drops[h]) > 0]
     union = set(early) | set(late_heads)
     return {
-        "lead": lead, "k_early": k_early, "stage": stage, "stage_name": at_k.loc[at_k["accuracy"].idxmax(), "stage_name"],
+        "lead": lead,
+        "k_early": k_early,
+        "stage": stage,
+        "stage_name": at_k.loc[at_k["accuracy"].idxmax(), "stage_name"],
         "accuracy_at_k_early": float(at_k["accuracy"].max()),
-        "early_heads": [list(h) for h in early], "late_heads": [list(h) for h in late_heads],
+        "early_heads": [list(h) for h in early],
+        "late_heads": [list(h) for h in late_heads],
         "early_late_overlap": len(set(early) & set(late_heads)) / len(union) if union else None,
         "early_mean_layer": sum(l for l, _ in early) / len(early) if early else None,
         "late_mean_layer": sum(l for l, _ in late_heads) / len(late_heads) if late_heads else None,

@@ -18,10 +18,24 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.events import DecisionEvent, EncodedExample, EventBatch, kind_mask, margin_fraction, margins_at
+from mistill_lens.lens.events import (
+    DecisionEvent,
+    EncodedExample,
+    EventBatch,
+    kind_mask,
+    margin_fraction,
+    margins_at,
+)
 from mistill_lens.lens.hooks import (
-    Head, HeadMeans, ablate_all_but_hooks, all_heads, collect_z, event_position_classes, gather_at_positions,
-    knock_in_hooks, validate_heads,
+    Head,
+    HeadMeans,
+    ablate_all_but_hooks,
+    all_heads,
+    collect_z,
+    event_position_classes,
+    gather_at_positions,
+    knock_in_hooks,
+    validate_heads,
 )
 from mistill_lens.lens.sweep import ablated_margins, chunked_margins, clean_margins
 
@@ -29,7 +43,11 @@ from mistill_lens.lens.sweep import ablated_margins, chunked_margins, clean_marg
 
 
 def select_heads(
-    calibration: Calibration, kind: str, z_min: float = 3.0, rel_min: float = 0.1, max_heads: int | None = None
+    calibration: Calibration,
+    kind: str,
+    z_min: float = 3.0,
+    rel_min: float = 0.1,
+    max_heads: int | None = None,
 ) -> list[Head]:
     """Heads whose calibrated effect on `kind` events is significant (z >= z_min) and not negligible
     (effect above null >= rel_min x the strongest head's), strongest first."""
@@ -44,10 +62,16 @@ def select_heads(
 
 
 def select_circuit(
-    calibration: Calibration, z_min: float = 3.0, rel_min: float = 0.1, max_heads_per_kind: int | None = None
+    calibration: Calibration,
+    z_min: float = 3.0,
+    rel_min: float = 0.1,
+    max_heads_per_kind: int | None = None,
 ) -> dict[str, list[Head]]:
     """The circuit per event kind, plus "all": their union (the global set)."""
-    per_kind = {kind: select_heads(calibration, kind, z_min, rel_min, max_heads_per_kind) for kind in calibration.kinds}
+    per_kind = {
+        kind: select_heads(calibration, kind, z_min, rel_min, max_heads_per_kind)
+        for kind in calibration.kinds
+    }
     per_kind["all"] = sorted({h for heads in per_kind.values() for h in heads})
     return per_kind
 
@@ -55,18 +79,26 @@ def select_circuit(
 # --- necessity, sufficiency, knock-in --------------------------------------------------------
 
 
-def necessity(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None) -> Float[Tensor, "event"]:
+def necessity(
+    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None
+) -> Float[Tensor, "event"]:
     """Fraction of each event's clean margin lost when `heads` are mean-ablated at its position."""
     clean = clean if clean is not None else clean_margins(model, batch)
     return 1 - margin_fraction(ablated_margins(model, batch, means, heads), clean)
 
 
-def sufficiency(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None) -> Float[Tensor, "event"]:
+def sufficiency(
+    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None
+) -> Float[Tensor, "event"]:
     """Fraction of each event's clean margin kept when every head *but* `heads` is mean-ablated."""
     clean = clean if clean is not None else clean_margins(model, batch)
     heads = list(heads)
     kept = chunked_margins(
-        model, batch, lambda sub: ablate_all_but_hooks(model, heads, means, event_position_classes(sub, means.class_names))
+        model,
+        batch,
+        lambda sub: ablate_all_but_hooks(
+            model, heads, means, event_position_classes(sub, means.class_names)
+        ),
     )
     return margin_fraction(kept, clean)
 
@@ -77,15 +109,24 @@ def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
     rng = random.Random(seed)
     donors = torch.full((len(batch),), -1, dtype=torch.long)
     for row, event in enumerate(batch.events):
-        pool = [i for i, other in enumerate(batch.events)
-                if other.kind == event.kind and other.chosen_token != event.chosen_token and other.example_id != event.example_id]
+        pool = [
+            i
+            for i, other in enumerate(batch.events)
+            if other.kind == event.kind
+            and other.chosen_token != event.chosen_token
+            and other.example_id != event.example_id
+        ]
         if pool:
             donors[row] = rng.choice(pool)
     return donors
 
 
 def knock_in_transfer(
-    model, batch: EventBatch, heads: Iterable[Head], donors: Int[Tensor, "event"], clean: Tensor | None = None,
+    model,
+    batch: EventBatch,
+    heads: Iterable[Head],
+    donors: Int[Tensor, "event"],
+    clean: Tensor | None = None,
     batch_size: int = 128,
 ) -> Float[Tensor, "event"]:
     """Fraction of donor A's contrastive decision that appears in B when `heads`' activations at A's
@@ -97,18 +138,29 @@ def knock_in_transfer(
     rows = (donors >= 0).nonzero().flatten()
     own = clean if clean is not None else clean_margins(model, batch)
     for start in range(0, len(rows), batch_size):
-        targets = rows[start:start + batch_size]
+        targets = rows[start : start + batch_size]
         sources = donors[targets]
         source_batch = batch.select(sources)
-        values = gather_at_positions(collect_z(model, source_batch.tokens), torch.arange(len(sources)),
-                                     source_batch.predict_positions)
+        values = gather_at_positions(
+            collect_z(model, source_batch.tokens),
+            torch.arange(len(sources)),
+            source_batch.predict_positions,
+        )
         target_batch = batch.select(targets)
-        donor_choice = (target_batch.predict_positions, batch.chosen[sources], batch.contrast[sources])
+        donor_choice = (
+            target_batch.predict_positions,
+            batch.chosen[sources],
+            batch.contrast[sources],
+        )
         with torch.no_grad():
             before = margins_at(model(target_batch.tokens), *donor_choice)
-            after = margins_at(model.run_with_hooks(
-                target_batch.tokens, fwd_hooks=knock_in_hooks(model, heads, values, target_batch.predict_positions)
-            ), *donor_choice)
+            after = margins_at(
+                model.run_with_hooks(
+                    target_batch.tokens,
+                    fwd_hooks=knock_in_hooks(model, heads, values, target_batch.predict_positions),
+                ),
+                *donor_choice,
+            )
         gap = own[sources] - before
         transfer[targets] = torch.where(gap > 1e-6, (after - before) / gap, torch.nan)
     return transfer
@@ -133,11 +185,16 @@ class CircuitReport:
     knock_in: Tensor
 
     def to_frame(self) -> pd.DataFrame:
-        return pd.DataFrame({
-            "example_id": [e.example_id for e in self.events], "kind": [e.kind for e in self.events],
-            "position": [e.position for e in self.events], "necessity": self.necessity.tolist(),
-            "sufficiency": self.sufficiency.tolist(), "knock_in": self.knock_in.tolist(),
-        })
+        return pd.DataFrame(
+            {
+                "example_id": [e.example_id for e in self.events],
+                "kind": [e.kind for e in self.events],
+                "position": [e.position for e in self.events],
+                "necessity": self.necessity.tolist(),
+                "sufficiency": self.sufficiency.tolist(),
+                "knock_in": self.knock_in.tolist(),
+            }
+        )
 
     def summary(self, thresholds: Mapping[str, float]) -> dict:
         """Per kind: mean of each measure and the fraction of examples at or above its threshold."""
@@ -148,22 +205,33 @@ class CircuitReport:
             for measure in ("necessity", "sufficiency", "knock_in"):
                 values = torch.tensor(rows[measure].to_numpy(), dtype=torch.float32)
                 out[kind][measure] = float(rows[measure].mean())
-                out[kind].setdefault("coverage", {})[measure] = coverage(values, rows["example_id"].tolist(), thresholds[measure])
+                out[kind].setdefault("coverage", {})[measure] = coverage(
+                    values, rows["example_id"].tolist(), thresholds[measure]
+                )
         return out
 
 
-def circuit_report(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], seed: int = 0) -> CircuitReport:
+def circuit_report(
+    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], seed: int = 0
+) -> CircuitReport:
     heads = validate_heads(model, heads)
     clean = clean_margins(model, batch)
     return CircuitReport(
-        heads, batch.events,
-        necessity(model, batch, means, heads, clean), sufficiency(model, batch, means, heads, clean),
+        heads,
+        batch.events,
+        necessity(model, batch, means, heads, clean),
+        sufficiency(model, batch, means, heads, clean),
         knock_in_transfer(model, batch, heads, knock_in_donors(batch, seed), clean),
     )
 
 
 def ablation_curve(
-    model, batch: EventBatch, means: HeadMeans, ranked_heads: Sequence[Head], seed: int = 0, max_points: int = 32
+    model,
+    batch: EventBatch,
+    means: HeadMeans,
+    ranked_heads: Sequence[Head],
+    seed: int = 0,
+    max_points: int = 32,
 ) -> pd.DataFrame:
     """Mean fraction of the clean margin kept as the first n heads are mean-ablated, heads taken in
     `ranked_heads` order (by score) vs a random order of all heads (seeded)."""
@@ -172,7 +240,12 @@ def ablation_curve(
     ranked = list(ranked_heads) + [h for h in every if h not in set(ranked_heads)]
     shuffled = every[:]
     random.Random(seed).shuffle(shuffled)
-    counts = sorted({round(i * len(every) / min(max_points, len(every))) for i in range(min(max_points, len(every)) + 1)})
+    counts = sorted(
+        {
+            round(i * len(every) / min(max_points, len(every)))
+            for i in range(min(max_points, len(every)) + 1)
+        }
+    )
     rows = []
     for order_name, order in (("by score", ranked), ("random", shuffled)):
         for n in counts:
@@ -180,8 +253,15 @@ def ablation_curve(
             fraction = margin_fraction(kept, clean)
             for kind in dict.fromkeys(batch.kinds):
                 picked = kind_mask(batch.kinds, kind)
-                rows.append({"order": order_name, "n_ablated": n, "kind": kind,
-                             "fraction_kept": float(fraction[picked].mean()), "n_events": int(picked.sum())})
+                rows.append(
+                    {
+                        "order": order_name,
+                        "n_ablated": n,
+                        "kind": kind,
+                        "fraction_kept": float(fraction[picked].mean()),
+                        "n_events": int(picked.sum()),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -192,20 +272,29 @@ def phase_structure(calibration: Calibration, circuits: Mapping[str, Sequence[He
     """Which circuit heads matter for which event kind: per kind its heads and mean layer, and the
     overlap (Jaccard) between kinds' head sets."""
     kinds = [k for k in calibration.kinds if k in circuits]
-    out = {"heads": {k: [list(h) for h in circuits[k]] for k in kinds},
-           "mean_layer": {k: (sum(l for l, _ in circuits[k]) / len(circuits[k]) if circuits[k] else None) for k in kinds},
-           "overlap": {}}
+    out = {
+        "heads": {k: [list(h) for h in circuits[k]] for k in kinds},
+        "mean_layer": {
+            k: (sum(l for l, _ in circuits[k]) / len(circuits[k]) if circuits[k] else None)
+            for k in kinds
+        },
+        "overlap": {},
+    }
     for i, a in enumerate(kinds):
-        for b in kinds[i + 1:]:
+        for b in kinds[i + 1 :]:
             union = set(circuits[a]) | set(circuits[b])
-            out["overlap"][f"{a}/{b}"] = len(set(circuits[a]) & set(circuits[b])) / len(union) if union else None
+            out["overlap"][f"{a}/{b}"] = (
+                len(set(circuits[a]) & set(circuits[b])) / len(union) if union else None
+            )
     return out
 
 
 # --- head families -----------------------------------------------------------------------------
 
 
-def family_targets(example: EncodedExample, event: DecisionEvent, near_miss_text: str | None = None) -> dict[str, list[int]]:
+def family_targets(
+    example: EncodedExample, event: DecisionEvent, near_miss_text: str | None = None
+) -> dict[str, list[int]]:
     """Token positions an event can attend to, by family: the prompt's entries of the event's region
     (e.g. every candidate line starting "I21"), and the last mention of the near-miss earlier in the
     output. Only positions inside the event's context are kept."""
@@ -215,13 +304,19 @@ def family_targets(example: EncodedExample, event: DecisionEvent, near_miss_text
     if event.region:
         start = prompt.find(event.region)
         while start >= 0:
-            region_positions.update(example.token_positions_of_chars(start, start + len(event.region)))
+            region_positions.update(
+                example.token_positions_of_chars(start, start + len(event.region))
+            )
             start = prompt.find(event.region, start + 1)
     near_miss_positions: list[int] = []
     if near_miss_text:
-        start = example.text.rfind(near_miss_text, example.prompt_chars, max(event.char_start, example.prompt_chars))
+        start = example.text.rfind(
+            near_miss_text, example.prompt_chars, max(event.char_start, example.prompt_chars)
+        )
         if start >= 0:
-            near_miss_positions = example.token_positions_of_chars(start, start + len(near_miss_text))
+            near_miss_positions = example.token_positions_of_chars(
+                start, start + len(near_miss_text)
+            )
     return {
         "region_candidates": sorted(p for p in region_positions if p < context),
         "near_miss_mention": [p for p in near_miss_positions if p < context],
@@ -249,12 +344,20 @@ def attention_mass(
 
         def keep_query_row(layer):
             def hook(pattern, hook):
-                query_rows[layer] = pattern[torch.arange(len(rows)), :, sub.predict_positions].detach()  # [b, head, key]
+                query_rows[layer] = pattern[
+                    torch.arange(len(rows)), :, sub.predict_positions
+                ].detach()  # [b, head, key]
                 return pattern
+
             return hook
 
         with torch.no_grad():
-            model.run_with_hooks(sub.tokens, fwd_hooks=[(get_act_name("pattern", l), keep_query_row(l)) for l in range(n_layers)])
+            model.run_with_hooks(
+                sub.tokens,
+                fwd_hooks=[
+                    (get_act_name("pattern", l), keep_query_row(l)) for l in range(n_layers)
+                ],
+            )
         for layer in range(n_layers):
             mass[rows, layer] = torch.einsum("bhk,bk->bh", query_rows[layer], target_mask)
     return mass

@@ -21,7 +21,13 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.hooks import Head, HookPair, all_heads, compute_head_means, mean_ablation_hooks
+from mistill_lens.lens.hooks import (
+    Head,
+    HookPair,
+    all_heads,
+    compute_head_means,
+    mean_ablation_hooks,
+)
 
 DEFAULT_KS = tuple(range(1, 9))
 
@@ -29,10 +35,14 @@ DEFAULT_KS = tuple(range(1, 9))
 def residual_stages(model) -> list[str]:
     """Hook names of the residual stream before each layer and after the last."""
     n_layers = model.cfg.n_layers
-    return [get_act_name("resid_pre", l) for l in range(n_layers)] + [get_act_name("resid_post", n_layers - 1)]
+    return [get_act_name("resid_pre", l) for l in range(n_layers)] + [
+        get_act_name("resid_post", n_layers - 1)
+    ]
 
 
-def early_positions(batch: EventBatch, ks: Sequence[int]) -> tuple[Int[Tensor, "k event"], Bool[Tensor, "k event"]]:
+def early_positions(
+    batch: EventBatch, ks: Sequence[int]
+) -> tuple[Int[Tensor, "k event"], Bool[Tensor, "k event"]]:
     """Position r - k of each row's region token r, and whether it exists (r - k >= 0)."""
     region = batch.predict_positions + 1
     positions = torch.stack([region - k for k in ks])
@@ -52,8 +62,11 @@ def residuals_before(
 
     def keep(name: str):
         def hook(act: Tensor, hook) -> Tensor:
-            store[name] = torch.stack([act[rows, p] for p in positions]).detach()  # [k, event, d_model]
+            store[name] = torch.stack(
+                [act[rows, p] for p in positions]
+            ).detach()  # [k, event, d_model]
             return act
+
         return hook
 
     model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *[(s, keep(s)) for s in stages]])
@@ -62,7 +75,10 @@ def residuals_before(
 
 @torch.no_grad()
 def logit_lens_correct(
-    model, residuals: Float[Tensor, "... d_model"], labels: Int[Tensor, "..."], candidate_ids: Sequence[int]
+    model,
+    residuals: Float[Tensor, "... d_model"],
+    labels: Int[Tensor, "..."],
+    candidate_ids: Sequence[int],
 ) -> Bool[Tensor, "..."]:
     """Whether the final LayerNorm + unembedding of each residual ranks the label first among the candidates."""
     candidates = torch.tensor(list(candidate_ids))
@@ -70,7 +86,9 @@ def logit_lens_correct(
     return candidates[logits.argmax(dim=-1)] == labels
 
 
-def split_by_example(example_ids: Sequence[int], held_out_fraction: float, seed: int) -> Bool[Tensor, "event"]:
+def split_by_example(
+    example_ids: Sequence[int], held_out_fraction: float, seed: int
+) -> Bool[Tensor, "event"]:
     """True for training rows. Whole examples go to one side, so no example is in both."""
     unique = sorted(set(example_ids))
     random.Random(seed).shuffle(unique)
@@ -97,16 +115,25 @@ class LinearProbe:
     def predict(self, features: Float[Tensor, "n d"]) -> Tensor:
         return self.classes[self.logits(features).argmax(dim=-1)]
 
-    def margins(self, features: Float[Tensor, "n d"], labels: Int[Tensor, "n"]) -> Float[Tensor, "n"]:
+    def margins(
+        self, features: Float[Tensor, "n d"], labels: Int[Tensor, "n"]
+    ) -> Float[Tensor, "n"]:
         """Logit of the true class minus the best other (-inf logit for labels the probe never saw)."""
         logits = self.logits(features)
-        known = (self.classes[None, :] == labels[:, None])
+        known = self.classes[None, :] == labels[:, None]
         true = torch.where(known, logits, torch.full_like(logits, float("-inf"))).max(dim=-1).values
-        other = torch.where(known, torch.full_like(logits, float("-inf")), logits).max(dim=-1).values
+        other = (
+            torch.where(known, torch.full_like(logits, float("-inf")), logits).max(dim=-1).values
+        )
         return true - other
 
 
-def train_probe(features: Float[Tensor, "n d"], labels: Int[Tensor, "n"], weight_decay: float = 1e-3, max_iter: int = 100) -> LinearProbe:
+def train_probe(
+    features: Float[Tensor, "n d"],
+    labels: Int[Tensor, "n"],
+    weight_decay: float = 1e-3,
+    max_iter: int = 100,
+) -> LinearProbe:
     """Fit a probe by L-BFGS (deterministic on CPU)."""
     features = features.double()
     classes, targets = labels.unique(return_inverse=True)
@@ -117,17 +144,24 @@ def train_probe(features: Float[Tensor, "n d"], labels: Int[Tensor, "n"], weight
     x = (features - mean) / std
     weight = torch.zeros(x.shape[1], len(classes), dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(len(classes), dtype=torch.float64, requires_grad=True)
-    optimiser = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe")
+    optimiser = torch.optim.LBFGS(
+        [weight, bias], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe"
+    )
 
     def closure():
         optimiser.zero_grad()
-        loss = torch.nn.functional.cross_entropy(x @ weight + bias, targets) + weight_decay * weight.pow(2).sum()
+        loss = (
+            torch.nn.functional.cross_entropy(x @ weight + bias, targets)
+            + weight_decay * weight.pow(2).sum()
+        )
         loss.backward()
         return loss
 
     with torch.enable_grad():
         optimiser.step(closure)
-    return LinearProbe(classes, mean.float(), std.float(), weight.detach().float(), bias.detach().float())
+    return LinearProbe(
+        classes, mean.float(), std.float(), weight.detach().float(), bias.detach().float()
+    )
 
 
 def elicitation_curve(
@@ -142,8 +176,10 @@ def elicitation_curve(
     held-out examples: columns k, stage, stage_name, method ("logit_lens" | "probe"), accuracy,
     chance, n_train, n_held_out. `batch` holds events of one kind (e.g. ``batch.of_kind("region")``)."""
     if len(set(batch.kinds)) != 1:
-        raise ValueError(f"early elicitation reads events of one kind; this batch has {sorted(set(batch.kinds))}: "
-                         "pass batch.of_kind(KIND)")
+        raise ValueError(
+            f"early elicitation reads events of one kind; this batch has {sorted(set(batch.kinds))}: "
+            "pass batch.of_kind(KIND)"
+        )
     residuals = residuals_before(model, batch, ks)
     _, valid = early_positions(batch, ks)
     train = split_by_example([e.example_id for e in batch.events], held_out_fraction, seed)
@@ -160,9 +196,18 @@ def elicitation_curve(
             probe = train_probe(residuals[ki, si, fit], labels[fit])
             probe_correct = probe.predict(residuals[ki, si, held]) == labels[held]
             for method, correct in (("logit_lens", lens), ("probe", probe_correct)):
-                rows.append({"k": k, "stage": si, "stage_name": stage, "method": method,
-                             "accuracy": float(correct.float().mean()), "chance": majority,
-                             "n_train": int(fit.sum()), "n_held_out": int(held.sum())})
+                rows.append(
+                    {
+                        "k": k,
+                        "stage": si,
+                        "stage_name": stage,
+                        "method": method,
+                        "accuracy": float(correct.float().mean()),
+                        "chance": majority,
+                        "n_train": int(fit.sum()),
+                        "n_held_out": int(held.sum()),
+                    }
+                )
     return pd.DataFrame(rows)
 
 

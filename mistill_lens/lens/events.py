@@ -20,7 +20,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-NULL_KIND = "null"  # the kind of null events (calibration); event kinds are otherwise the data's own
+NULL_KIND = (
+    "null"  # the kind of null events (calibration); event kinds are otherwise the data's own
+)
 
 
 def position_class_names(kinds: Sequence[str]) -> tuple[str, ...]:
@@ -87,7 +89,9 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
 
 
-def _departure_token(tokenizer, text: str, start: int, chosen: str, contrast: str) -> tuple[int, list[int], int]:
+def _departure_token(
+    tokenizer, text: str, start: int, chosen: str, contrast: str
+) -> tuple[int, list[int], int]:
     """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, the chosen
     side's tokens, and the contrast token there. Why this way: it is where the model decides, in any
     tokenizer (a region that is one token for the teacher may be three for a student, and only the
@@ -127,26 +131,41 @@ def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExampl
         kind, start, end = _field(gold, "kind"), _field(gold, "start"), _field(gold, "end")
         chosen, contrast = _field(gold, "chosen"), _field(gold, "contrast")
         if not isinstance(kind, str) or not kind or kind == NULL_KIND:
-            raise ValueError(f"event kind must be a non-empty name other than {NULL_KIND!r}, got {kind!r}")
+            raise ValueError(
+                f"event kind must be a non-empty name other than {NULL_KIND!r}, got {kind!r}"
+            )
         if not (0 <= start < end <= len(text)) or text[start:end] != chosen:
             raise ValueError(
                 f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
             )
-        index, chosen_ids, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
+        index, chosen_ids, contrast_token = _departure_token(
+            tokenizer, text, start, chosen, contrast
+        )
         chosen_token = chosen_ids[index]
-        if tokens[:index + 1] != chosen_ids[:index + 1]:
+        if tokens[: index + 1] != chosen_ids[: index + 1]:
             raise ValueError(
                 f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
                 f"of example {example_id} (a merge across the span boundary)"
             )
         if index == 0:
-            raise ValueError(f"event {chosen!r} is the first token of example {example_id}: nothing predicts it")
-        events.append(DecisionEvent(
-            example_id=example_id, kind=kind, position=index, chosen_token=chosen_token,
-            contrast_tokens=(contrast_token,), chosen=chosen, contrast=contrast,
-            char_start=start, char_end=end, mention=int(_optional(gold, "mention", -1)),
-            region=str(_optional(gold, "region", "")),
-        ))
+            raise ValueError(
+                f"event {chosen!r} is the first token of example {example_id}: nothing predicts it"
+            )
+        events.append(
+            DecisionEvent(
+                example_id=example_id,
+                kind=kind,
+                position=index,
+                chosen_token=chosen_token,
+                contrast_tokens=(contrast_token,),
+                chosen=chosen,
+                contrast=contrast,
+                char_start=start,
+                char_end=end,
+                mention=int(_optional(gold, "mention", -1)),
+                region=str(_optional(gold, "region", "")),
+            )
+        )
     return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
 
 
@@ -154,7 +173,8 @@ def candidate_token_ids(tokenizer, pattern: str) -> list[int]:
     """Ids of the vocabulary tokens whose decoded text fully matches `pattern` (e.g. r"[A-Z]\\d\\d")."""
     compiled = re.compile(pattern)
     return sorted(
-        token_id for token_id in range(len(tokenizer))
+        token_id
+        for token_id in range(len(tokenizer))
         if compiled.fullmatch(tokenizer.decode([token_id]).strip())
     )
 
@@ -195,11 +215,19 @@ def events_from_generation(
             raise ValueError(f"candidate set for {kind!r} has no token besides the chosen one")
         contrast_token = int(competitors[logits[position - 1, competitors].argmax()])
         s, e = offsets[position]
-        encoded.events.append(DecisionEvent(
-            example_id=example_id, kind=kind, position=position, chosen_token=tokens[position],
-            contrast_tokens=(contrast_token,), chosen=text[s:e], contrast=tokenizer.decode([contrast_token]),
-            char_start=s, char_end=e,
-        ))
+        encoded.events.append(
+            DecisionEvent(
+                example_id=example_id,
+                kind=kind,
+                position=position,
+                chosen_token=tokens[position],
+                contrast_tokens=(contrast_token,),
+                chosen=text[s:e],
+                contrast=tokenizer.decode([contrast_token]),
+                char_start=s,
+                char_end=e,
+            )
+        )
     return encoded
 
 
@@ -228,18 +256,27 @@ class EventBatch:
         rows = torch.as_tensor(rows)
         if rows.dtype == torch.bool:
             if rows.shape != (len(self),):
-                raise ValueError(f"boolean row mask has shape {tuple(rows.shape)}; this batch has {len(self)} events")
+                raise ValueError(
+                    f"boolean row mask has shape {tuple(rows.shape)}; this batch has {len(self)} events"
+                )
             rows = rows.nonzero().flatten()
         elif len(rows) and (rows.dtype.is_floating_point or rows.ndim != 1):
-            raise TypeError(f"rows must be integer indices or a boolean mask, got a {rows.dtype} tensor of shape "
-                            f"{tuple(rows.shape)}")
+            raise TypeError(
+                f"rows must be integer indices or a boolean mask, got a {rows.dtype} tensor of shape "
+                f"{tuple(rows.shape)}"
+            )
         rows = rows.long()
         if len(rows) and (int(rows.min()) < -len(self) or int(rows.max()) >= len(self)):
             raise IndexError(f"rows {rows.tolist()} outside a batch of {len(self)} events")
         keep = [self.events[int(i)] for i in rows]
         width = int(self.predict_positions[rows].max()) + 1 if len(rows) else 1
-        return EventBatch(self.tokens[rows, :width], self.predict_positions[rows], self.chosen[rows],
-                          self.contrast[rows], keep)
+        return EventBatch(
+            self.tokens[rows, :width],
+            self.predict_positions[rows],
+            self.chosen[rows],
+            self.contrast[rows],
+            keep,
+        )
 
     def of_kind(self, kind: str) -> "EventBatch":
         return self.select(kind_mask(self.kinds, kind).nonzero().flatten())
@@ -251,7 +288,9 @@ def kind_mask(kinds: Sequence[str], kind: str) -> Bool[Tensor, "event"]:
 
 
 def make_event_batch(
-    examples: Sequence[EncodedExample], events: Sequence[DecisionEvent] | None = None, pad_token_id: int = 0
+    examples: Sequence[EncodedExample],
+    events: Sequence[DecisionEvent] | None = None,
+    pad_token_id: int = 0,
 ) -> EventBatch:
     """Stack events (by default every event of every example) into an `EventBatch`."""
     by_id = {example.example_id: example for example in examples}
@@ -260,8 +299,10 @@ def make_event_batch(
         raise ValueError("no events to batch")
     for event in chosen_events:
         if not event.contrast_tokens:
-            raise ValueError(f"event {event.kind!r} at token {event.position} of example {event.example_id} has no "
-                             "contrast token: a decision margin needs one")
+            raise ValueError(
+                f"event {event.kind!r} at token {event.position} of example {event.example_id} has no "
+                "contrast token: a decision margin needs one"
+            )
         if event.example_id not in by_id:
             raise KeyError(f"event refers to unknown example {event.example_id}")
         length = len(by_id[event.example_id].tokens)
@@ -292,7 +333,9 @@ def margins_at(
     """logit(chosen) - max over contrasts of logit(contrast), at each row's predicting position."""
     rows = torch.arange(logits.shape[0])
     if int(predict_positions.max()) >= logits.shape[1] or int(predict_positions.min()) < 0:
-        raise IndexError(f"predicting positions {predict_positions.tolist()} outside logits of length {logits.shape[1]}")
+        raise IndexError(
+            f"predicting positions {predict_positions.tolist()} outside logits of length {logits.shape[1]}"
+        )
     at_event = logits[rows, predict_positions]  # [event, vocab]
     chosen_logit = at_event[rows, chosen]
     contrast_logits = at_event.gather(1, contrast.clamp(min=0))
@@ -307,12 +350,16 @@ def margins_at(
     return margins
 
 
-def decision_margins(logits: Float[Tensor, "event pos vocab"], batch: EventBatch) -> Float[Tensor, "event"]:
+def decision_margins(
+    logits: Float[Tensor, "event pos vocab"], batch: EventBatch
+) -> Float[Tensor, "event"]:
     """Each event's own decision margin from a forward pass over `batch.tokens`."""
     return margins_at(logits, batch.predict_positions, batch.chosen, batch.contrast)
 
 
-def margin_fraction(margins: Float[Tensor, "event"], clean: Float[Tensor, "event"]) -> Float[Tensor, "event"]:
+def margin_fraction(
+    margins: Float[Tensor, "event"], clean: Float[Tensor, "event"]
+) -> Float[Tensor, "event"]:
     """Per-event normalisation: the fraction of the clean margin that `margins` keeps."""
     if torch.isnan(clean).any() or torch.isnan(margins).any():
         raise FloatingPointError("NaN margin passed to margin_fraction")

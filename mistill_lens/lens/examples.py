@@ -72,13 +72,26 @@ def _example(row: Any) -> SpanExample:
             raise ValueError(f"event {index} is missing field(s) {missing}")
         start, end = event["start"], event["end"]
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= len(text)):
-            raise ValueError(f"event {index}: span [{start}, {end}) is not inside prompt + output "
-                             f"({len(text)} characters)")
+            raise ValueError(
+                f"event {index}: span [{start}, {end}) is not inside prompt + output "
+                f"({len(text)} characters)"
+            )
         if text[start:end] != event["chosen"]:
-            raise ValueError(f"event {index}: (prompt + output)[{start}:{end}] is {text[start:end]!r}, "
-                             f"not its chosen text {event['chosen']!r}")
-        events.append(SpanEvent(str(event["kind"]), start, end, event["chosen"], event["contrast"],
-                                str(event.get("region", "")), int(event.get("mention", -1))))
+            raise ValueError(
+                f"event {index}: (prompt + output)[{start}:{end}] is {text[start:end]!r}, "
+                f"not its chosen text {event['chosen']!r}"
+            )
+        events.append(
+            SpanEvent(
+                str(event["kind"]),
+                start,
+                end,
+                event["chosen"],
+                event["contrast"],
+                str(event.get("region", "")),
+                int(event.get("mention", -1)),
+            )
+        )
     return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"))
 
 
@@ -96,7 +109,9 @@ def read_examples(path: str | Path) -> list[SpanExample]:
             try:
                 examples.append(_example(json.loads(line)))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from err
+                raise ValueError(
+                    f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from err
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}, line {number}: {err}") from err
     if not examples:

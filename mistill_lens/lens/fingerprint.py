@@ -55,15 +55,23 @@ def value_digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def check_fingerprint(stored: Mapping[str, str] | None, current: Mapping[str, str], what: str) -> None:
+def check_fingerprint(
+    stored: Mapping[str, str] | None, current: Mapping[str, str], what: str
+) -> None:
     """Raise :class:`StaleResultError` naming each input of ``what`` that differs (or that the
     stored fingerprint lacks)."""
     if stored is None:
-        raise StaleResultError(f"{what} has no fingerprint of its inputs (written by an older version), so "
-                               "whether it belongs to this run cannot be checked")
-    changed = sorted(name for name in set(stored) | set(current) if stored.get(name) != current.get(name))
+        raise StaleResultError(
+            f"{what} has no fingerprint of its inputs (written by an older version), so "
+            "whether it belongs to this run cannot be checked"
+        )
+    changed = sorted(
+        name for name in set(stored) | set(current) if stored.get(name) != current.get(name)
+    )
     if changed:
-        raise StaleResultError(f"{what} belongs to another run: its {', '.join(changed)} differ from this run's")
+        raise StaleResultError(
+            f"{what} belongs to another run: its {', '.join(changed)} differ from this run's"
+        )
 
 
 def fingerprint_path(path: str | Path) -> Path:
@@ -78,4 +86,6 @@ def read_fingerprint(path: str | Path) -> dict[str, str] | None:
 
 
 def write_fingerprint(path: str | Path, fingerprint: Mapping[str, str]) -> None:
-    fingerprint_path(path).write_text(json.dumps(dict(fingerprint), indent=2, sort_keys=True) + "\n")
+    fingerprint_path(path).write_text(
+        json.dumps(dict(fingerprint), indent=2, sort_keys=True) + "\n"
+    )

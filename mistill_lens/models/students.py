@@ -8,7 +8,13 @@ checkpoint is written from a fresh model of the same config loaded with the trai
 from __future__ import annotations
 
 import torch
-from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from mistill_lens.models import FAMILIES, PRECISIONS
 from mistill_lens.models.checkpoints import teacher_config
@@ -30,21 +36,43 @@ def default_kv_heads(n_head: int) -> int:
 
 
 def student_config(
-    family: str, vocab_size: int, eos_token_id: int, *, n_layer: int, n_head: int, n_embd: int,
-    n_kv_head: int | None = None, n_ctx: int = 1024,
+    family: str,
+    vocab_size: int,
+    eos_token_id: int,
+    *,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    n_kv_head: int | None = None,
+    n_ctx: int = 1024,
 ):
     if family == "llama":
         return LlamaConfig(
-            vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=int(8 * n_embd / 3 + 7) // 8 * 8,
-            num_hidden_layers=n_layer, num_attention_heads=n_head,
+            vocab_size=vocab_size,
+            hidden_size=n_embd,
+            intermediate_size=int(8 * n_embd / 3 + 7) // 8 * 8,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
             num_key_value_heads=n_kv_head or default_kv_heads(n_head),
-            max_position_embeddings=n_ctx, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
-            tie_word_embeddings=True, attention_dropout=0.0,
-            bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+            max_position_embeddings=n_ctx,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            hidden_act="silu",
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
         )
     if family == "gpt2":
-        return teacher_config(vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_ctx,
-                              eos_token_id=eos_token_id)
+        return teacher_config(
+            vocab_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            n_positions=n_ctx,
+            eos_token_id=eos_token_id,
+        )
     raise ValueError(f"unknown student family {family!r}; expected one of {FAMILIES}")
 
 
@@ -75,7 +103,9 @@ def autocast(precision: str):
 def exportable(bridged: PreTrainedModel) -> PreTrainedModel:
     """A plain Hugging Face model with the bridged model's current weights (for save_pretrained)."""
     fresh = type(bridged)(bridged.config).to(bridged.dtype)
-    trained = {key.replace(BRIDGE_KEY_PART, ""): value for key, value in bridged.state_dict().items()}
+    trained = {
+        key.replace(BRIDGE_KEY_PART, ""): value for key, value in bridged.state_dict().items()
+    }
     missing = [key for key in fresh.state_dict() if key not in trained]
     if missing:
         raise KeyError(f"bridged student lacks weights {missing[:4]}")
@@ -88,11 +118,22 @@ def student_architecture(model: PreTrainedModel) -> dict:
     config = model.config
     if isinstance(config, LlamaConfig):
         n_kv_head = config.num_key_value_heads
-        return {"n_layer": config.num_hidden_layers, "n_head": config.num_attention_heads, "n_embd": config.hidden_size,
-                "n_kv_head": None if n_kv_head == default_kv_heads(config.num_attention_heads) else n_kv_head,
-                "n_ctx": config.max_position_embeddings}
-    return {"n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd, "n_kv_head": None,
-            "n_ctx": config.n_positions}
+        return {
+            "n_layer": config.num_hidden_layers,
+            "n_head": config.num_attention_heads,
+            "n_embd": config.hidden_size,
+            "n_kv_head": None
+            if n_kv_head == default_kv_heads(config.num_attention_heads)
+            else n_kv_head,
+            "n_ctx": config.max_position_embeddings,
+        }
+    return {
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_kv_head": None,
+        "n_ctx": config.n_positions,
+    }
 
 
 def load_base_student(path, family: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -102,7 +143,11 @@ def load_base_student(path, family: str, dtype: torch.dtype) -> PreTrainedModel:
     model, tokenizer = load_hf_model(path, dtype=dtype, attn_implementation="eager")
     expected = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
     if not isinstance(model, expected):
-        raise CheckpointError(f"--student-init {path} holds a {type(model).__name__}, not a {family} student")
+        raise CheckpointError(
+            f"--student-init {path} holds a {type(model).__name__}, not a {family} student"
+        )
     if tokenizer.get_vocab() != family_tokenizer(family).get_vocab():
-        raise CheckpointError(f"--student-init {path} was trained with another tokenizer than the {family} student's")
+        raise CheckpointError(
+            f"--student-init {path} was trained with another tokenizer than the {family} student's"
+        )
     return model

@@ -36,8 +36,13 @@ TEMPLATE_WEIGHT = 1000
 def _task_wording() -> Iterator[str]:
     """Every phrase the generator can emit, codes excluded."""
     templates = (
-        task.POSITIVE_TEMPLATES + task.NEGATED_TEMPLATES + task.FILLER_SENTENCES
-        + (task.PROMPT_HEADER + task.CANDIDATES_HEADER + task.REASONING_HEADER + task.CODES_HEADER, task.TRACE_LINE)
+        task.POSITIVE_TEMPLATES
+        + task.NEGATED_TEMPLATES
+        + task.FILLER_SENTENCES
+        + (
+            task.PROMPT_HEADER + task.CANDIDATES_HEADER + task.REASONING_HEADER + task.CODES_HEADER,
+            task.TRACE_LINE,
+        )
         + tuple(task.REJECTION_REASONS.values())
     )
     for _ in range(TEMPLATE_WEIGHT):
@@ -83,13 +88,18 @@ def build_teacher_tokenizer() -> PreTrainedTokenizerFast:
     regions = sorted({icd.region_of(c) for c in codes})
     suffixes = sorted({icd.suffix_of(c) for c in codes})
     # normalized=False: matched on the raw text, before byte-level mapping.
-    tokenizer.add_tokens([AddedToken(t, normalized=False, single_word=False) for t in regions + suffixes])
+    tokenizer.add_tokens(
+        [AddedToken(t, normalized=False, single_word=False) for t in regions + suffixes]
+    )
     return _wrap(tokenizer)
 
 
 def build_student_tokenizer() -> PreTrainedTokenizerFast:
     pre = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     corpus = list(_task_wording()) + [f"{c}: " for c in _all_codes()]
     return _wrap(_byte_level_bpe(pre, STUDENT_VOCAB, iter(corpus)))
@@ -99,5 +109,3 @@ def build_and_save(out: Path) -> None:
     """Write both tokenizers under ``out`` (as ``teacher_tokenizer/`` and ``student_tokenizer/``)."""
     build_teacher_tokenizer().save_pretrained(out / TEACHER_DIR.name)
     build_student_tokenizer().save_pretrained(out / STUDENT_DIR.name)
-
-

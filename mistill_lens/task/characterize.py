@@ -19,20 +19,36 @@ from mistill_lens.task.examples import Example, generate_examples, near_miss_nam
 ELICITATION_KIND = "region"  # the ICD decision read out before it is written
 
 
-def task_examples(n: int, seed: int, split: str, task_config: Mapping[str, Any],
-                  n_reference: int | None = None) -> tuple[list[Example], list[Example]]:
+def task_examples(
+    n: int, seed: int, split: str, task_config: Mapping[str, Any], n_reference: int | None = None
+) -> tuple[list[Example], list[Example]]:
     """Analysed examples (stream `seed`) and reference examples for the means (stream `seed + 1`,
     so no example is reused), from one split: the one seed rule of every ICD characterisation."""
     examples = generate_examples(n, seed, split, **task_config)
-    reference = generate_examples(n if n_reference is None else n_reference, seed + 1, split, **task_config)
+    reference = generate_examples(
+        n if n_reference is None else n_reference, seed + 1, split, **task_config
+    )
     return examples, reference
 
 
-def characterize_task(model, tokenizer, examples: Sequence[Any], reference: Sequence[Any], out_dir: str | Path,
-                      config: CharacterizeConfig = CharacterizeConfig(),
-                      provenance: Mapping[str, Any] | None = None) -> dict:
+def characterize_task(
+    model,
+    tokenizer,
+    examples: Sequence[Any],
+    reference: Sequence[Any],
+    out_dir: str | Path,
+    config: CharacterizeConfig = CharacterizeConfig(),
+    provenance: Mapping[str, Any] | None = None,
+) -> dict:
     """:func:`characterize` with the ICD task's readers: region elicitation and the near-miss
     family (from each example's mentions, where it has them)."""
-    return characterize(model, tokenizer, examples, reference, Path(out_dir),
-                        replace(config, elicitation_kind=ELICITATION_KIND), near_miss_text=near_miss_named,
-                        provenance=provenance)
+    return characterize(
+        model,
+        tokenizer,
+        examples,
+        reference,
+        Path(out_dir),
+        replace(config, elicitation_kind=ELICITATION_KIND),
+        near_miss_text=near_miss_named,
+        provenance=provenance,
+    )

@@ -63,7 +63,9 @@ REJECTION_REASONS = {
     "excludes": "excluded by the notes of {}",
 }
 # One trace line per coded mention; the parser below is its inverse.
-TRACE_LINE = "- {mention} => region {region} ; near-miss {near_miss} rejected: {reason} ; code {code}\n"
+TRACE_LINE = (
+    "- {mention} => region {region} ; near-miss {near_miss} rejected: {reason} ; code {code}\n"
+)
 _TRACE_LINE_RE = re.compile(
     r"^- (?P<mention>.*?) => region (?P<region>\S+) ; near-miss (?P<near_miss>\S+) rejected: "
     r"(?P<reason>.*?) ; code (?P<code>\S+)$"
@@ -130,7 +132,11 @@ def near_miss_named(example: "Example", event) -> str | None:
     """The near-miss code named for an event's mention (the ICD task's reader for the
     near-miss head family); None for an event outside the example's mentions."""
     mentions = getattr(example, "mentions", None)
-    return mentions[event.mention].near_miss if mentions and 0 <= event.mention < len(mentions) else None
+    return (
+        mentions[event.mention].near_miss
+        if mentions and 0 <= event.mention < len(mentions)
+        else None
+    )
 
 
 def mention_wording(description: str) -> str:
@@ -142,14 +148,18 @@ def candidate_line(code: str, universe: Universe) -> str:
     return f"{code}: {mention_wording(universe.description[code])}\n"
 
 
-def render_prompt(summary_sentences: list[str], candidates: Iterable[str], universe: Universe) -> str:
+def render_prompt(
+    summary_sentences: list[str], candidates: Iterable[str], universe: Universe
+) -> str:
     if not summary_sentences:
         raise ValueError("empty summary: an example needs at least one summary sentence")
     candidates = list(candidates)
     if not candidates:
         raise ValueError("empty candidate list")
     lines = "".join(candidate_line(universe.check_code(c), universe) for c in candidates)
-    return PROMPT_HEADER + " ".join(summary_sentences) + CANDIDATES_HEADER + lines + REASONING_HEADER
+    return (
+        PROMPT_HEADER + " ".join(summary_sentences) + CANDIDATES_HEADER + lines + REASONING_HEADER
+    )
 
 
 def _first_in(order: Iterable[str], pool: Iterable[str]) -> str | None:
@@ -198,7 +208,9 @@ def build_example(
     for code in gold_codes:
         clash = set(universe.near_misses(code)) & set(gold_codes)
         if clash:
-            raise ValueError(f"gold code {code} has another gold code as a near-miss: {sorted(clash)}")
+            raise ValueError(
+                f"gold code {code} has another gold code as a near-miss: {sorted(clash)}"
+            )
 
     # The planted near-miss (an excludes code a third of the time when one exists) and one
     # more sibling, so that every mention has a within-region contrast in context.
@@ -218,8 +230,12 @@ def build_example(
         )
     blocked = set(required) | {c for g in gold_codes for c in universe.near_misses(g)}
     gold_regions = {region_of(c) for c in gold_codes}
-    negated = _draw_distinct(universe, rng, min(n_negated, k - len(required)),
-                             lambda c: c not in blocked and region_of(c) not in gold_regions)
+    negated = _draw_distinct(
+        universe,
+        rng,
+        min(n_negated, k - len(required)),
+        lambda c: c not in blocked and region_of(c) not in gold_regions,
+    )
     taken = set(required) | set(negated)
     # A region decision needs a contrast: at least one candidate outside the gold regions.
     has_other_region = any(region_of(c) not in gold_regions for c in taken)
@@ -228,18 +244,31 @@ def build_example(
             f"K={k} candidates leaves no room for a candidate outside the gold regions "
             f"(the region decision's contrast); use K >= {len(taken) + 1}"
         )
-    outside = [] if has_other_region else _draw_distinct(
-        universe, rng, 1, lambda c: c not in taken and region_of(c) not in gold_regions)
+    outside = (
+        []
+        if has_other_region
+        else _draw_distinct(
+            universe, rng, 1, lambda c: c not in taken and region_of(c) not in gold_regions
+        )
+    )
     taken |= set(outside)
-    candidates = required + negated + outside + _draw_distinct(
-        universe, rng, k - len(taken), lambda c: c not in taken)
+    candidates = (
+        required
+        + negated
+        + outside
+        + _draw_distinct(universe, rng, k - len(taken), lambda c: c not in taken)
+    )
     rng.shuffle(candidates)
 
     # (sentence, the gold code it states or None), shuffled together.
-    statements = [(rng.choice(POSITIVE_TEMPLATES).format(mention_wording(universe.description[c])), c)
-                  for c in gold_codes]
-    statements += [(rng.choice(NEGATED_TEMPLATES).format(mention_wording(universe.description[c])), None)
-                   for c in negated]
+    statements = [
+        (rng.choice(POSITIVE_TEMPLATES).format(mention_wording(universe.description[c])), c)
+        for c in gold_codes
+    ]
+    statements += [
+        (rng.choice(NEGATED_TEMPLATES).format(mention_wording(universe.description[c])), None)
+        for c in negated
+    ]
     statements += [(s, None) for s in rng.sample(FILLER_SENTENCES, n_filler)]
     rng.shuffle(statements)
     # Mentions are coded in the order the summary states them.
@@ -264,18 +293,62 @@ def build_example(
         region_start = base + line.index(" => region ") + len(" => region ")
         code_start = base + line.rindex(" ; code ") + len(" ; code ")
         suffix_start = code_start + len(region)
-        region_contrast = region_of(_first_in(candidates, [c for c in candidates if region_of(c) != region]))
-        within_rival = _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss]) or near_miss
-        events.append(Event("region", region_start, region_start + len(region), region, region_contrast, index, region))
-        events.append(Event("within", suffix_start, suffix_start + len(suffix_of(code)), suffix_of(code),
-                            suffix_of(within_rival), index, region))
+        region_contrast = region_of(
+            _first_in(candidates, [c for c in candidates if region_of(c) != region])
+        )
+        within_rival = (
+            _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss])
+            or near_miss
+        )
+        events.append(
+            Event(
+                "region",
+                region_start,
+                region_start + len(region),
+                region,
+                region_contrast,
+                index,
+                region,
+            )
+        )
+        events.append(
+            Event(
+                "within",
+                suffix_start,
+                suffix_start + len(suffix_of(code)),
+                suffix_of(code),
+                suffix_of(within_rival),
+                index,
+                region,
+            )
+        )
         if relation == "sibling":
-            events.append(Event("near_miss", suffix_start, suffix_start + len(suffix_of(code)), suffix_of(code),
-                                suffix_of(near_miss), index, region))
+            events.append(
+                Event(
+                    "near_miss",
+                    suffix_start,
+                    suffix_start + len(suffix_of(code)),
+                    suffix_of(code),
+                    suffix_of(near_miss),
+                    index,
+                    region,
+                )
+            )
         else:
-            events.append(Event("near_miss", code_start, code_start + len(region), region, region_of(near_miss), index,
-                                region))
-        mentions.append(Mention(mention_wording(universe.description[code]), code, near_miss, relation))
+            events.append(
+                Event(
+                    "near_miss",
+                    code_start,
+                    code_start + len(region),
+                    region,
+                    region_of(near_miss),
+                    index,
+                    region,
+                )
+            )
+        mentions.append(
+            Mention(mention_wording(universe.description[code]), code, near_miss, relation)
+        )
         output += line
     output += CODES_HEADER + ", ".join(ordered_gold) + "\n"
     return Example(
@@ -322,9 +395,11 @@ def check_task_config(*, universe_size: int, k: int, max_mentions: int) -> None:
     if not 1 <= max_mentions <= 4:
         raise ValueError(f"max_mentions must be between 1 and 4, got {max_mentions}")
     if k < min_k(max_mentions):
-        raise ValueError(f"K={k} candidates is smaller than the {min_k(max_mentions)} that up to {max_mentions} "
-                         f"mention(s) can need (each gold code plants up to 3 candidates, plus one from another "
-                         f"region); use K >= {min_k(max_mentions)}")
+        raise ValueError(
+            f"K={k} candidates is smaller than the {min_k(max_mentions)} that up to {max_mentions} "
+            f"mention(s) can need (each gold code plants up to 3 candidates, plus one from another "
+            f"region); use K >= {min_k(max_mentions)}"
+        )
     if universe_size < 1:
         raise ValueError(f"universe_size must be at least 1, got {universe_size}")
 
@@ -347,9 +422,14 @@ def iter_examples(
         rng = random.Random(f"mistill:{seed}:{split}:{index}")
         gold = _draw_gold(universe, pool, rng.randint(1, max_mentions), rng)
         yield build_example(
-            universe, gold, k, rng,
-            example_id=f"{split}-{seed}-{index}", split=split,
-            n_negated=rng.randint(0, 2), n_filler=rng.randint(0, 2),
+            universe,
+            gold,
+            k,
+            rng,
+            example_id=f"{split}-{seed}-{index}",
+            split=split,
+            n_negated=rng.randint(0, 2),
+            n_filler=rng.randint(0, 2),
         )
         index += 1
 
@@ -385,7 +465,9 @@ def read_jsonl(path: str | Path) -> list[Example]:
             try:
                 examples.append(Example.from_json(json.loads(line)))
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})") from err
+                raise ValueError(
+                    f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from err
             except KeyError as err:
                 raise ValueError(f"{path}, line {number}: missing field {err.args[0]!r}") from err
             except (TypeError, AttributeError) as err:
@@ -408,7 +490,7 @@ def parse_output(output: str) -> tuple[list[TraceLine], list[str]]:
     codes: list[str] = []
     for raw in output.split("\n"):
         if raw.startswith(CODES_HEADER):
-            codes = [c.strip() for c in raw[len(CODES_HEADER):].split(",") if c.strip()]
+            codes = [c.strip() for c in raw[len(CODES_HEADER) :].split(",") if c.strip()]
             break
         match = _TRACE_LINE_RE.match(raw)
         if match:

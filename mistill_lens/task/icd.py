@@ -76,7 +76,9 @@ class Universe:
     regions: tuple[str, ...]
     description: dict[str, str] = field(repr=False)
     codes_in_region: dict[str, tuple[str, ...]] = field(repr=False)
-    _excludes_cache: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _excludes_cache: dict[str, tuple[str, ...]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def __contains__(self, code: str) -> bool:
         return code in self.description
@@ -99,7 +101,11 @@ class Universe:
         if code not in self._excludes_cache:
             picked: list[str] = []
             for prefix in _excludes_prefixes(code):
-                matches = [c for c in self.codes_in_region.get(region_of(prefix), ()) if c.startswith(prefix)]
+                matches = [
+                    c
+                    for c in self.codes_in_region.get(region_of(prefix), ())
+                    if c.startswith(prefix)
+                ]
                 if not matches:
                     continue
                 same_suffix = [c for c in matches if suffix_of(c) == suffix_of(code)]
@@ -111,7 +117,9 @@ class Universe:
 
     def near_misses(self, code: str) -> tuple[str, ...]:
         """Siblings first, then excludes-note codes: the close alternatives a coder must reject."""
-        return self.siblings(code) + tuple(c for c in self.excludes_codes(code) if c not in self.siblings(code))
+        return self.siblings(code) + tuple(
+            c for c in self.excludes_codes(code) if c not in self.siblings(code)
+        )
 
     def near_miss_relation(self, code: str, near_miss: str) -> str:
         if near_miss in self.siblings(code):
@@ -131,7 +139,9 @@ def load_universe(size: int = DEFAULT_UNIVERSE_SIZE) -> Universe:
     by_region = eligible_codes_by_region()
     n_eligible = sum(len(c) for c in by_region.values())
     if not 1 <= size <= n_eligible:
-        raise ValueError(f"universe size must be between 1 and {n_eligible} eligible codes, got {size}")
+        raise ValueError(
+            f"universe size must be between 1 and {n_eligible} eligible codes, got {size}"
+        )
     chosen: dict[str, None] = {}
     n_codes = 0
     for region in sorted(by_region, key=_stable_rank):

@@ -22,8 +22,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.models.generate import greedy_text
-from mistill_lens.task.icd import Universe, load_universe
 from mistill_lens.task.examples import EVENT_KINDS, Example, parse_output
+from mistill_lens.task.icd import Universe, load_universe
 
 MAX_NEW_TOKENS = 400
 
@@ -50,7 +50,9 @@ class Scores:
                 continue
             self.region_correct += line.region == mention.code.split(".")[0]
             valid_near_misses = set(universe.near_misses(mention.code)) & candidates
-            self.near_miss_correct += line.near_miss in valid_near_misses and line.code == mention.code
+            self.near_miss_correct += (
+                line.near_miss in valid_near_misses and line.code == mention.code
+            )
         predicted, gold = set(codes), set(example.gold_codes)
         self.true_positives += len(predicted & gold)
         self.predicted += len(predicted)
@@ -90,7 +92,10 @@ def evaluate(
         generated = greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS)
         scores.add(example, generated, universe)
         outputs.append(generated)
-    return {**scores.as_dict(), "teacher_forced": teacher_forced_events(model, tokenizer, examples)}, outputs
+    return {
+        **scores.as_dict(),
+        "teacher_forced": teacher_forced_events(model, tokenizer, examples),
+    }, outputs
 
 
 @torch.no_grad()
@@ -109,8 +114,11 @@ def teacher_forced_events(
             total["n"] += 1
             total["acc"] += float(row.argmax().item() == event.chosen_token)
             total["loss"] -= row.log_softmax(-1)[event.chosen_token].item()
-            total["margin"] += (row[event.chosen_token] - row[list(event.contrast_tokens)].max()).item()
+            total["margin"] += (
+                row[event.chosen_token] - row[list(event.contrast_tokens)].max()
+            ).item()
     return {
         kind: {"n": t["n"], **{k: round(t[k] / t["n"], 4) for k in ("acc", "loss", "margin")}}
-        for kind, t in totals.items() if t["n"]
+        for kind, t in totals.items()
+        if t["n"]
     }

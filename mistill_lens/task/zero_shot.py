@@ -37,13 +37,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mistill_lens import task
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.task.icd import region_of, suffix_of
 from mistill_lens.models.checkpoints import to_bridge
 from mistill_lens.models.generate import verified_greedy
 from mistill_lens.models.gguf import chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
+from mistill_lens.task.icd import region_of, suffix_of
 
 SYSTEM_MESSAGE = "You are a clinical coder."
-QUESTION = "Which candidate code is the diagnosis in the note? Give its region (category), then the code."
+QUESTION = (
+    "Which candidate code is the diagnosis in the note? Give its region (category), then the code."
+)
 ANSWER_PREFIX = "The candidate code is"
 # The answer is the first code-shaped string right after the prefix (optionally quoted).
 _ANSWER_RE = re.compile(r"^\s*[\"'`*]*(?P<code>[A-Z][0-9][0-9A-Z](?:\.[0-9A-Z]{1,4})?)")
@@ -87,8 +89,8 @@ def note_and_candidate_lines(example: task.Example) -> tuple[str, str]:
     """The clinical note and the ``code: description`` lines of a task example's prompt."""
     prompt = example.prompt
     split = prompt.index(task.CANDIDATES_HEADER)
-    note = prompt[len(task.PROMPT_HEADER):split]
-    lines = prompt[split + len(task.CANDIDATES_HEADER):prompt.rindex(task.REASONING_HEADER)]
+    note = prompt[len(task.PROMPT_HEADER) : split]
+    lines = prompt[split + len(task.CANDIDATES_HEADER) : prompt.rindex(task.REASONING_HEADER)]
     return note, lines
 
 
@@ -100,8 +102,10 @@ def user_message(example: task.Example) -> str:
 def zero_shot_prompt(tokenizer: PreTrainedTokenizerBase, example: task.Example) -> str:
     """The chat-template text up to and including the answer prefix of the assistant turn."""
     if len(example.gold_codes) != 1:
-        raise ValueError(f"zero-shot selection asks for one code; example {example.id} has {len(example.gold_codes)} "
-                         "(generate examples with max_mentions=1)")
+        raise ValueError(
+            f"zero-shot selection asks for one code; example {example.id} has {len(example.gold_codes)} "
+            "(generate examples with max_mentions=1)"
+        )
     return chat_prompt_text(tokenizer, user_message(example), SYSTEM_MESSAGE) + ANSWER_PREFIX
 
 
@@ -117,20 +121,38 @@ def parse_answer(output: str) -> tuple[str, int] | None:
     return (match["code"], match.start("code")) if match else None
 
 
-def _departure(tokenizer, prompt: str, output: str, kind: str, start: int, chosen: str, contrast: str, region: str):
+def _departure(
+    tokenizer,
+    prompt: str,
+    output: str,
+    kind: str,
+    start: int,
+    chosen: str,
+    contrast: str,
+    region: str,
+):
     """The pipeline's placement of one candidate event (None where chosen and contrast tokenize
     the same after the prefix)."""
     event = task.Event(kind, start, start + len(chosen), chosen, contrast, 0, region)
     try:
-        encoded = events_from_spans({"prompt": prompt, "output": output, "events": [event]}, tokenizer, 0)
+        encoded = events_from_spans(
+            {"prompt": prompt, "output": output, "events": [event]}, tokenizer, 0
+        )
     except ValueError:
         return None
     return event, encoded.events[0]
 
 
 def strongest_contrast_event(
-    tokenizer, logits: Float[Tensor, "pos vocab"], prompt: str, output: str, kind: str, start: int, chosen: str,
-    contrasts: Sequence[str], region: str = "",
+    tokenizer,
+    logits: Float[Tensor, "pos vocab"],
+    prompt: str,
+    output: str,
+    kind: str,
+    start: int,
+    chosen: str,
+    contrasts: Sequence[str],
+    region: str = "",
 ) -> task.Event | None:
     """The event against the contrast with the smallest margin at its departure token."""
     scored = []
@@ -145,7 +167,11 @@ def strongest_contrast_event(
 
 
 def answer_events(
-    tokenizer, logits: Float[Tensor, "pos vocab"], prompt: str, output: str, candidates: Sequence[str]
+    tokenizer,
+    logits: Float[Tensor, "pos vocab"],
+    prompt: str,
+    output: str,
+    candidates: Sequence[str],
 ) -> tuple[str | None, tuple[task.Event, ...]]:
     """The code the model wrote and its region / within events against the candidates."""
     parsed = parse_answer(output)
@@ -154,34 +180,66 @@ def answer_events(
     code, offset = parsed
     start = len(prompt) + offset
     region = region_of(code)
-    events = [strongest_contrast_event(tokenizer, logits, prompt, output, "region", start, region,
-                                       [region_of(c) for c in candidates], region)]
+    events = [
+        strongest_contrast_event(
+            tokenizer,
+            logits,
+            prompt,
+            output,
+            "region",
+            start,
+            region,
+            [region_of(c) for c in candidates],
+            region,
+        )
+    ]
     if "." in code:
         rivals = [suffix_of(c) for c in candidates if region_of(c) == region and c != code]
-        events.append(strongest_contrast_event(tokenizer, logits, prompt, output, "within", start + len(region),
-                                               suffix_of(code), rivals, region))
+        events.append(
+            strongest_contrast_event(
+                tokenizer,
+                logits,
+                prompt,
+                output,
+                "within",
+                start + len(region),
+                suffix_of(code),
+                rivals,
+                region,
+            )
+        )
     return code, tuple(e for e in events if e is not None)
 
 
 def zero_shot_example(
-    bridge, tokenizer: PreTrainedTokenizerBase, example: task.Example, draft: PreTrainedModel | None = None,
+    bridge,
+    tokenizer: PreTrainedTokenizerBase,
+    example: task.Example,
+    draft: PreTrainedModel | None = None,
     max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> ZeroShotExample:
     """Prompt the model with one task example, decode greedily and place its decisions."""
     prompt = zero_shot_prompt(tokenizer, example)
     prompt_ids = torch.tensor([encode_text(tokenizer, prompt)])
-    tokens, logits = verified_greedy(bridge, prompt_ids, max_new_tokens, [tokenizer.eos_token_id], draft)
-    output = tokenizer.decode(tokens[0, prompt_ids.shape[1]:])
+    tokens, logits = verified_greedy(
+        bridge, prompt_ids, max_new_tokens, [tokenizer.eos_token_id], draft
+    )
+    output = tokenizer.decode(tokens[0, prompt_ids.shape[1] :])
     answer, events = answer_events(tokenizer, logits, prompt, output, example.candidates)
     if encode_text(tokenizer, prompt + output) != tokens[0].tolist():
         # the decoded reply re-tokenizes differently: its events would sit on other tokens than
         # the model produced, so keep the answer (for accuracy) but no events
         events = ()
-    return ZeroShotExample(example.id, prompt, output, example.gold_codes[0], example.candidates, answer, events)
+    return ZeroShotExample(
+        example.id, prompt, output, example.gold_codes[0], example.candidates, answer, events
+    )
 
 
 def zero_shot_examples(
-    bridge, tokenizer, examples: Sequence[task.Example], draft: PreTrainedModel | None = None,
+    bridge,
+    tokenizer,
+    examples: Sequence[task.Example],
+    draft: PreTrainedModel | None = None,
     max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> list[ZeroShotExample]:
     return [zero_shot_example(bridge, tokenizer, e, draft, max_new_tokens) for e in examples]

@@ -24,30 +24,61 @@ from tqdm.auto import tqdm
 from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens import options, task
-from mistill_lens.options import check_options
-from mistill_lens.models.students import build_student, family_tokenizer, student_config
 from mistill_lens.lens.fingerprint import StaleResultError, check_fingerprint, value_digest
 from mistill_lens.models.checkpoints import (
-    BASE_MODELS, METADATA_FILE, CheckpointError, base_tokenizer, base_weights_digest, is_adapter_checkpoint,
-    load_adapter, load_base_model, load_hf_model, read_metadata, resolve, save_checkpoint, teacher_config,
+    BASE_MODELS,
+    METADATA_FILE,
+    CheckpointError,
+    base_tokenizer,
+    base_weights_digest,
+    is_adapter_checkpoint,
+    load_adapter,
+    load_base_model,
+    load_hf_model,
+    read_metadata,
+    resolve,
+    save_checkpoint,
+    teacher_config,
     weights_digest,
 )
-from mistill_lens.runs import STAGING_DIR, claim_run_dir, finish_interrupted_commit, legacy_run, verify_manifest
+from mistill_lens.models.students import build_student, family_tokenizer, student_config
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.options import check_options
+from mistill_lens.runs import (
+    STAGING_DIR,
+    claim_run_dir,
+    finish_interrupted_commit,
+    legacy_run,
+    verify_manifest,
+)
 
 TRAINING_STATE_FILE = "training_state.pt"
 TRAIN_FORMAT = "train-v1"  # bump when the training state's layout or meaning changes
 # Every file a checkpoint folder holds: a folder of only these, with a training state, is a run
 # written before run markers existed.
-CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "mistill.json",
-                    "manifest.json", "adapter_model.safetensors", "adapter_config.json", "README.md",
-                    TRAINING_STATE_FILE, STAGING_DIR)
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "mistill.json",
+    "manifest.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "README.md",
+    TRAINING_STATE_FILE,
+    STAGING_DIR,
+)
 
 
 def claim_checkpoint_dir(out_dir: str | Path, kind: str) -> Path:
     """`out_dir` as the checkpoint folder of a `kind` run (new, empty, or that run's own)."""
-    return claim_run_dir(out_dir, kind, legacy_run([TRAINING_STATE_FILE, METADATA_FILE], CHECKPOINT_FILES))
+    return claim_run_dir(
+        out_dir, kind, legacy_run([TRAINING_STATE_FILE, METADATA_FILE], CHECKPOINT_FILES)
+    )
 
 
 def load_training_state(out_dir: Path, fingerprint: dict[str, str]) -> dict | None:
@@ -95,14 +126,28 @@ class TrainConfig:
     lora_r: int = 16
 
     def __post_init__(self):
-        check_options(self, seed=options.seed, steps=options.positive, batch_size=options.positive,
-                      lr=options.positive_float, warmup_steps=options.non_negative,
-                      weight_decay=options.non_negative_float, universe_size=options.positive, k=options.positive,
-                      max_mentions=options.positive, n_layer=options.positive, n_head=options.positive,
-                      n_embd=options.positive, checkpoint_every=options.positive,
-                      event_weight=options.positive_float, lora_r=options.positive)
+        check_options(
+            self,
+            seed=options.seed,
+            steps=options.positive,
+            batch_size=options.positive,
+            lr=options.positive_float,
+            warmup_steps=options.non_negative,
+            weight_decay=options.non_negative_float,
+            universe_size=options.positive,
+            k=options.positive,
+            max_mentions=options.positive,
+            n_layer=options.positive,
+            n_head=options.positive,
+            n_embd=options.positive,
+            checkpoint_every=options.positive,
+            event_weight=options.positive_float,
+            lora_r=options.positive,
+        )
         if self.base is not None and self.student is not None:
-            raise ValueError("a LoRA run on a pretrained base (base) is a teacher: it takes no student family")
+            raise ValueError(
+                "a LoRA run on a pretrained base (base) is a teacher: it takes no student family"
+            )
         if self.base is not None and self.base not in BASE_MODELS:
             raise ValueError(f"unknown base model {self.base!r}; expected one of {BASE_MODELS}")
 
@@ -111,7 +156,9 @@ class TrainConfig:
         return "teacher" if self.student is None else "student"
 
 
-def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tuple[list[int], list[bool]]:
+def encode(
+    tokenizer: PreTrainedTokenizerFast, prompt: str, output: str
+) -> tuple[list[int], list[bool]]:
     """Token ids of prompt + output + end-of-text, and which of them are training targets.
 
     The prompt is encoded on its own, exactly as it is at generation time.
@@ -124,15 +171,21 @@ def encode(tokenizer: PreTrainedTokenizerFast, prompt: str, output: str) -> tupl
 def event_token_mask(tokenizer: PreTrainedTokenizerFast, example: task.Example) -> list[bool]:
     """Which positions of ``encode(tokenizer, example.prompt, example.output)`` hold a gold decision."""
     n_prompt = len(tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
-    offsets = tokenizer(example.output, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    offsets = tokenizer(example.output, add_special_tokens=False, return_offsets_mapping=True)[
+        "offset_mapping"
+    ]
     spans = [(e.start - len(example.prompt), e.end - len(example.prompt)) for e in example.events]
-    in_event = [any(start < end_ and end > start_ for start_, end_ in spans) for start, end in offsets]
+    in_event = [
+        any(start < end_ and end > start_ for start_, end_ in spans) for start, end in offsets
+    ]
     return [False] * n_prompt + in_event + [False]
 
 
 def collate(
     encoded: list[tuple[list[int], list[bool]]], pad_id: int
-) -> tuple[Int[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"]]:
+) -> tuple[
+    Int[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"], Bool[torch.Tensor, "batch pos"]
+]:
     """Right-padded ids, attention mask, and target mask."""
     width = max(len(ids) for ids, _ in encoded)
     ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -171,7 +224,9 @@ def output_loss(
 
 def make_optimizer(config, parameters: list[torch.nn.Parameter]) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, as every run here trains (betas 0.9 / 0.98)."""
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    return torch.optim.AdamW(
+        parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98)
+    )
 
 
 def run_steps(
@@ -239,14 +294,25 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
     if config.init_from is not None:
         model, init_tokenizer = load_hf_model(config.init_from)
         if init_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise CheckpointError(f"--init-from {config.init_from} was trained with another tokenizer")
+            raise CheckpointError(
+                f"--init-from {config.init_from} was trained with another tokenizer"
+            )
         return model
     if config.student is not None:
-        hf_config = student_config(config.student, len(tokenizer), tokenizer.eos_token_id,
-                                   n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd)
+        hf_config = student_config(
+            config.student,
+            len(tokenizer),
+            tokenizer.eos_token_id,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            n_embd=config.n_embd,
+        )
         return build_student(hf_config, config.seed, attn_implementation="sdpa")
     hf_config = teacher_config(
-        len(tokenizer), n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+        len(tokenizer),
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
         eos_token_id=tokenizer.eos_token_id,
     )
     return GPT2LMHeadModel(hf_config)
@@ -261,11 +327,17 @@ def _lora_model(config: TrainConfig, resume_from: Path | None = None):
     source = resume_from if resume_from is not None else config.init_from
     if source is not None:
         if not is_adapter_checkpoint(source):
-            raise CheckpointError(f"--init-from {source} is not a LoRA checkpoint of base {config.base!r}")
+            raise CheckpointError(
+                f"--init-from {source} is not a LoRA checkpoint of base {config.base!r}"
+            )
         return load_adapter(resolve(source), base, trainable=True)
     torch.manual_seed(config.seed)
-    lora = LoraConfig(r=config.lora_r, lora_alpha=2 * config.lora_r, lora_dropout=0.0,
-                      target_modules=list(LORA_TARGETS))
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=2 * config.lora_r,
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGETS),
+    )
     with warnings.catch_warnings():  # peft calls a transformers API that transformers 5 deprecates
         warnings.simplefilter("ignore", FutureWarning)
         return get_peft_model(base, lora)
@@ -280,9 +352,14 @@ def _seed_everything(seed: int) -> None:
 def train_fingerprint(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
     """Inputs of a training run beyond its configuration: the state format, the tokenizer, and the
     weights it started from."""
-    return {"format": TRAIN_FORMAT, "tokenizer": value_digest(tokenizer.get_vocab()),
-            "init weights": weights_digest(config.init_from) if config.init_from is not None else "fresh",
-            "base weights": base_weights_digest(config.base) if config.base is not None else "none"}
+    return {
+        "format": TRAIN_FORMAT,
+        "tokenizer": value_digest(tokenizer.get_vocab()),
+        "init weights": weights_digest(config.init_from)
+        if config.init_from is not None
+        else "fresh",
+        "base weights": base_weights_digest(config.base) if config.base is not None else "none",
+    }
 
 
 def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFast):
@@ -291,12 +368,18 @@ def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFa
         return None
     saved = TrainConfig(**state["config"])
     if saved != config:
-        differing = [f.name for f in fields(TrainConfig) if getattr(saved, f.name) != getattr(config, f.name)]
+        differing = [
+            f.name for f in fields(TrainConfig) if getattr(saved, f.name) != getattr(config, f.name)
+        ]
         raise CheckpointError(
             f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
             "use another --out or the same options"
         )
-    model = _lora_model(config, resume_from=out_dir) if config.base is not None else load_hf_model(out_dir)[0]
+    model = (
+        _lora_model(config, resume_from=out_dir)
+        if config.base is not None
+        else load_hf_model(out_dir)[0]
+    )
     model.train()
     return model, state
 
@@ -312,7 +395,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def train(
-    config: TrainConfig, out_dir: str | Path, *, command: str = "", progress: bool = True, device: str = "cpu"
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    command: str = "",
+    progress: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Train (or resume) a teacher or base student; returns the metadata written next to the weights.
 
@@ -331,15 +419,21 @@ def train(
         step, elapsed, losses = state["step"], state["elapsed_s"], state["losses"]
     model.to(target)
     model.train()
-    parameters = [p for p in model.parameters() if p.requires_grad]  # a LoRA run trains its adapter only
+    parameters = [
+        p for p in model.parameters() if p.requires_grad
+    ]  # a LoRA run trains its adapter only
     optimizer = make_optimizer(config, parameters)
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
         torch.set_rng_state(resumed[1]["torch_rng"])
 
     stream = task.iter_examples(
-        config.seed, "train", universe_size=config.universe_size, k=config.k,
-        max_mentions=config.max_mentions, start=step * config.batch_size,
+        config.seed,
+        "train",
+        universe_size=config.universe_size,
+        k=config.k,
+        max_mentions=config.max_mentions,
+        start=step * config.batch_size,
     )
     n_params = sum(p.numel() for p in parameters)
 
@@ -359,18 +453,28 @@ def train(
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
         state = {
-            "config": asdict(config), "fingerprint": train_fingerprint(config, tokenizer), "step": step,
-            "elapsed_s": elapsed, "losses": losses, "optimizer": optimizer.state_dict(),
+            "config": asdict(config),
+            "fingerprint": train_fingerprint(config, tokenizer),
+            "step": step,
+            "elapsed_s": elapsed,
+            "losses": losses,
+            "optimizer": optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
-        save_checkpoint(model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state})
+        save_checkpoint(
+            model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state}
+        )
         model.to(target)
         return metadata
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
         examples = [next(stream) for _ in range(config.batch_size)]
-        ids, attention, targets = (t.to(target) for t in collate(
-            [encode(tokenizer, ex.prompt, ex.output) for ex in examples], tokenizer.pad_token_id))
+        ids, attention, targets = (
+            t.to(target)
+            for t in collate(
+                [encode(tokenizer, ex.prompt, ex.output) for ex in examples], tokenizer.pad_token_id
+            )
+        )
         weights = None
         if config.event_weight != 1.0:
             is_event = torch.zeros_like(targets)
@@ -383,4 +487,6 @@ def train(
         return loss, {"loss": f"{loss.item():.4f}"}
 
     desc = f"train {config.role if config.student is None else 'student ' + config.student}"
-    return run_steps(config, optimizer, parameters, step, elapsed, loss_at, save, desc=desc, progress=progress)
+    return run_steps(
+        config, optimizer, parameters, step, elapsed, loss_at, save, desc=desc, progress=progress
+    )
