@@ -143,14 +143,7 @@ def chunked_attribution(
     model, batch: EventBatch, means: HeadMeans, batch_size: int
 ) -> Float[Tensor, "event layer head"]:
     """Attribution scores, one forward + backward per chunk of events (memory stays bounded)."""
-    return torch.cat(
-        [
-            attribution_scores(
-                model, batch.select(range(s, min(s + batch_size, len(batch)))), means
-            )
-            for s in range(0, len(batch), batch_size)
-        ]
-    )
+    return torch.cat([attribution_scores(model, sub, means) for sub in batch.chunks(batch_size)])
 
 
 def rank_correlation(a: Tensor, b: Tensor) -> float:

@@ -25,6 +25,7 @@ from mistill_lens.lens.events import (
     kind_mask,
     margin_fraction,
     margins_at,
+    row_chunks,
 )
 from mistill_lens.lens.hooks import (
     Head,
@@ -137,8 +138,8 @@ def knock_in_transfer(
     transfer = torch.full((len(batch),), torch.nan)
     rows = (donors >= 0).nonzero().flatten()
     own = clean if clean is not None else clean_margins(model, batch)
-    for start in range(0, len(rows), batch_size):
-        targets = rows[start : start + batch_size]
+    for part in row_chunks(len(rows), batch_size):
+        targets = rows[part.start : part.stop]
         sources = donors[targets]
         source_batch = batch.select(sources)
         values = gather_at_positions(
@@ -332,8 +333,7 @@ def attention_mass(
         raise ValueError(f"{len(targets)} target lists for {len(batch)} events")
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     mass = torch.zeros(len(batch), n_layers, n_heads)
-    for start in range(0, len(batch), batch_size):
-        rows = list(range(start, min(start + batch_size, len(batch))))
+    for rows in row_chunks(len(batch), batch_size):
         sub = batch.select(rows)
         target_mask = torch.zeros(len(rows), sub.tokens.shape[1])
         for i, row in enumerate(rows):

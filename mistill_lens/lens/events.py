@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -278,8 +278,20 @@ class EventBatch:
             keep,
         )
 
+    def chunks(self, size: int) -> Iterator["EventBatch"]:
+        """The batch in consecutive chunks of at most `size` rows (see `row_chunks`)."""
+        return (self.select(rows) for rows in row_chunks(len(self), size))
+
     def of_kind(self, kind: str) -> "EventBatch":
         return self.select(kind_mask(self.kinds, kind).nonzero().flatten())
+
+
+def row_chunks(n: int, size: int) -> Iterator[range]:
+    """Consecutive row ranges of at most `size` covering `0..n`: the one chunking rule (memory
+    stays bounded by the chunk, results are concatenated in order)."""
+    if size < 1:
+        raise ValueError(f"chunk size must be at least 1, got {size}")
+    return (range(start, min(start + size, n)) for start in range(0, n, size))
 
 
 def kind_mask(kinds: Sequence[str], kind: str) -> Bool[Tensor, "event"]:

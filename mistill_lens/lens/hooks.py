@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.lens.events import EventBatch, decision_margins, position_class_names
+from mistill_lens.lens.events import EventBatch, decision_margins, position_class_names, row_chunks
 
 Head = tuple[int, int]
 HookFn = Callable[[Tensor, object], Tensor]
@@ -171,11 +171,11 @@ def compute_head_means(
     n_layers, n_heads = n_layers_heads(model)
     sums = None
     counts = torch.zeros(len(class_names), dtype=torch.long)
-    for start in range(0, tokens.shape[0], batch_size):
+    for rows in row_chunks(tokens.shape[0], batch_size):
         z = collect_z(
-            model, tokens[start : start + batch_size]
+            model, tokens[rows.start : rows.stop]
         ).double()  # sums in float64: exact enough
-        classes = position_class[start : start + batch_size]
+        classes = position_class[rows.start : rows.stop]
         one_hot = torch.nn.functional.one_hot(classes.clamp(min=0), len(class_names)).double()
         one_hot = one_hot * (classes >= 0).unsqueeze(-1)
         chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")

@@ -59,11 +59,7 @@ def chunked_margins(
     batch_size: int = 256,
 ) -> Float[Tensor, "event"]:
     """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks."""
-    parts = []
-    for start in range(0, len(batch), batch_size):
-        sub = batch.select(range(start, min(start + batch_size, len(batch))))
-        parts.append(run_margins(model, sub, hooks_for(sub)))
-    return torch.cat(parts)
+    return torch.cat([run_margins(model, sub, hooks_for(sub)) for sub in batch.chunks(batch_size)])
 
 
 def ablated_margins(
