@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 REQUIRED_EVENT_FIELDS = ("kind", "start", "end", "chosen", "contrast")
 
@@ -95,25 +97,33 @@ def _example(row: Any) -> SpanExample:
     return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"))
 
 
-def read_examples(path: str | Path) -> list[SpanExample]:
-    """Examples from a JSONL file in the format above; a bad line is an error naming the file, the
-    line number and what is wrong."""
+def read_jsonl(path: str | Path, parse: Callable[[Any], T]) -> list[T]:
+    """Each non-empty line of a JSONL file through `parse`; a bad line is an error naming the file,
+    the line number and what is wrong (invalid JSON, a missing field, a malformed value)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"examples file {path} does not exist")
-    examples = []
+    rows = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                examples.append(_example(json.loads(line)))
+                rows.append(parse(json.loads(line)))
             except json.JSONDecodeError as err:
                 raise ValueError(
                     f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from err
-            except (ValueError, TypeError) as err:
+            except KeyError as err:
+                raise ValueError(f"{path}, line {number}: missing field {err.args[0]!r}") from err
+            except (ValueError, TypeError, AttributeError) as err:
                 raise ValueError(f"{path}, line {number}: {err}") from err
+    return rows
+
+
+def read_examples(path: str | Path) -> list[SpanExample]:
+    """Examples from a JSONL file in the format above (errors as :func:`read_jsonl`)."""
+    examples = read_jsonl(path, _example)
     if not examples:
         raise ValueError(f"examples file {path} holds no example")
     return examples

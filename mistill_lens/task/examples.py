@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from mistill_lens.lens.examples import read_jsonl as read_jsonl_rows
 from mistill_lens.task.icd import (
     DEFAULT_UNIVERSE_SIZE,
     Universe,
@@ -452,27 +453,9 @@ def write_jsonl(examples: Iterable[Example], path: str | Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[Example]:
-    """Examples from a JSONL file; a bad line is reported with the file, its line number and what
-    is wrong with it (invalid JSON, or the missing field)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"examples file {path} does not exist")
-    examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                examples.append(Example.from_json(json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
-                ) from err
-            except KeyError as err:
-                raise ValueError(f"{path}, line {number}: missing field {err.args[0]!r}") from err
-            except (TypeError, AttributeError) as err:
-                raise ValueError(f"{path}, line {number}: malformed example ({err})") from err
-    return examples
+    """Examples from a JSONL file written by :func:`write_jsonl`; a bad line is an error naming
+    the file, its line number and what is wrong (invalid JSON, the missing field)."""
+    return read_jsonl_rows(path, Example.from_json)
 
 
 @dataclass(frozen=True)
