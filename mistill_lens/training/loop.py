@@ -76,9 +76,9 @@ CHECKPOINT_FILES = (
 
 def claim_checkpoint_dir(out_dir: str | Path, kind: str) -> Path:
     """`out_dir` as the checkpoint folder of a `kind` run (new, empty, or that run's own)."""
-    return claim_run_dir(
-        out_dir, kind, legacy_run([TRAINING_STATE_FILE, METADATA_FILE], CHECKPOINT_FILES)
-    )
+    # a distillation run also holds its evaluation and the student's characterisation
+    owned = (*CHECKPOINT_FILES, "evaluation.json", "characterization")
+    return claim_run_dir(out_dir, kind, legacy_run([TRAINING_STATE_FILE, METADATA_FILE], owned))
 
 
 def load_training_state(out_dir: Path, fingerprint: dict[str, str]) -> dict | None:
