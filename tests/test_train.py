@@ -195,6 +195,9 @@ def test_the_kept_lora_teacher_loads_and_selects_in_context():
     model, tokenizer = load_hf_model(path)
     examples = task.generate_examples(6, 7, "heldout", k=16, max_mentions=4)
     scores = teacher_forced_events(model, tokenizer, examples)
-    assert set(scores) == {"region", "within", "near_miss"} and min(s["n"] for s in scores.values()) >= 10
+    assert (
+        set(scores) == {"region", "within", "near_miss"}
+        and min(s["n"] for s in scores.values()) >= 10
+    )
     for kind, score in scores.items():
         assert score["acc"] >= 0.8, (kind, score)
