@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from planted import VOCAB, planted_examples
+from test_train import TINY
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import mistill_lens.lens.sweep as sweep_module
@@ -160,19 +161,7 @@ def test_build_tokenizers_requires_an_output_folder(capsys):
 
 
 def test_a_run_folder_keeps_the_users_file_across_checkpoints_and_resumes(tmp_path):
-    config = TrainConfig(
-        seed=3,
-        steps=2,
-        batch_size=2,
-        warmup_steps=1,
-        universe_size=300,
-        k=8,
-        max_mentions=1,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-        checkpoint_every=1,
-    )
+    config = replace(TINY, steps=2, checkpoint_every=1)
     out = tmp_path / "run"
     train(config, out, progress=False)
     (out / "notes.txt").write_text(USER_TEXT)
@@ -277,18 +266,7 @@ def test_rerunning_characterize_with_other_reference_examples_refuses_or_recompu
 
 
 def test_a_training_state_from_other_initial_weights_is_not_resumed(tmp_path):
-    base = TrainConfig(
-        seed=3,
-        steps=1,
-        batch_size=2,
-        warmup_steps=1,
-        universe_size=300,
-        k=8,
-        max_mentions=1,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-    )
+    base = replace(TINY, steps=1)
     train(base, tmp_path / "a", progress=False)
     train(replace(base, seed=4), tmp_path / "b", progress=False)
     config = replace(base, steps=2, init_from=str(tmp_path / "init"))
@@ -310,18 +288,7 @@ def test_a_training_state_from_other_initial_weights_is_not_resumed(tmp_path):
 
 
 def test_a_checkpoint_edited_after_it_was_written_is_not_resumed(tmp_path):
-    config = TrainConfig(
-        seed=3,
-        steps=1,
-        batch_size=2,
-        warmup_steps=1,
-        universe_size=300,
-        k=8,
-        max_mentions=1,
-        n_layer=1,
-        n_head=2,
-        n_embd=32,
-    )
+    config = replace(TINY, steps=1)
     train(config, tmp_path / "run", progress=False)
     weights = tmp_path / "run" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
