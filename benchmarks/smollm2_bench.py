@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from mistill_lens.models.checkpoints import to_bridge
 from mistill_lens.models.gguf import (
-    bridge_hf_model,
     chat_prompt_ids,
     find_smollm2_gguf,
     generate_chat_reply,
@@ -62,7 +62,9 @@ def main():
 
     (hf_model, tokenizer), dequantise_seconds = timed(load_gguf_hf_model, gguf_path)
     reference = copy.deepcopy(hf_model)
-    bridge, bridge_seconds = timed(bridge_hf_model, hf_model, tokenizer, "SmolLM2-135M-Instruct")
+    bridge, bridge_seconds = timed(
+        to_bridge, hf_model, tokenizer, torch.float32, "SmolLM2-135M-Instruct"
+    )
     print(
         f"load: {dequantise_seconds + bridge_seconds:.1f} s "
         f"(validate + tokenizer + dequantise {dequantise_seconds:.1f} s, bridge {bridge_seconds:.1f} s)"
