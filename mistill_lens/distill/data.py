@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from mistill_lens import task
 from mistill_lens.lens.fingerprint import (
-    StaleResultError,
     StaleResultWarning,
     check_fingerprint,
     read_fingerprint,
@@ -86,9 +85,8 @@ def teacher_generations(
             )
             return task.read_jsonl(path)
         except (
-            StaleResultError,
-            ValueError,
-        ) as err:  # truncated, edited or unreadable: ours to redo
+            ValueError
+        ) as err:  # stale (a StaleResultError), truncated or unreadable: ours to redo
             warnings.warn(f"{err}: regenerated", StaleResultWarning, stacklevel=2)
     model, tokenizer = load_hf_model(teacher_dir)
     examples = task.generate_examples(n, seed, split, **task_config)

@@ -51,6 +51,7 @@ from mistill_lens.models.students import (
 )
 from mistill_lens.options import check_options
 from mistill_lens.training.loop import (
+    RUN_OPTION_CHECKS,
     TRAINING_STATE_FILE,
     claim_checkpoint_dir,
     encode,
@@ -93,19 +94,10 @@ class DistillConfig:
     def __post_init__(self):
         check_options(
             self,
-            seed=options.seed,
-            steps=options.positive,
-            batch_size=options.positive,
-            lr=options.positive_float,
-            warmup_steps=options.non_negative,
-            weight_decay=options.non_negative_float,
+            **RUN_OPTION_CHECKS,
             attention_weight=options.non_negative_float,
-            n_layer=options.positive,
-            n_head=options.positive,
-            n_embd=options.positive,
             n_kv_head=options.positive,
             n_ctx=options.positive,
-            checkpoint_every=options.positive,
             n_train=options.non_negative,
             data_seed=options.seed,
         )

@@ -194,8 +194,9 @@ def characterize(
     """Run the whole characterisation and write its files to `out_dir`; returns the summary.
 
     `examples` / `reference_examples` carry `prompt`, `output` and gold `events`; means come from
-    the reference runs. `region_candidates` (token ids) default to every token chosen or
-    contrasted at a region event here. `provenance` (e.g. the command) is stored in the summary
+    the reference runs. `region_candidates` (token ids: the readout classes of
+    early elicitation) default to every token chosen or contrasted at a `config.elicitation_kind`
+    event here. `provenance` (e.g. the command) is stored in the summary
     (its `warnings`, if any, join the pipeline's).
     """
     if not examples:

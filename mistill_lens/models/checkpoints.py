@@ -181,11 +181,7 @@ def load_adapter(path: Path, base, trainable: bool):
 
 
 def _adapter_base_name(path: Path) -> str:
-    base = (
-        json.loads((path / METADATA_FILE).read_text()).get("config", {}).get("base")
-        if (path / METADATA_FILE).is_file()
-        else None
-    )
+    base = read_metadata(path).get("config", {}).get("base")
     if base is None:
         raise CheckpointError(
             f"checkpoint {path} holds a LoRA adapter but its {METADATA_FILE} names no base model"

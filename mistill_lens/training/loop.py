@@ -97,6 +97,21 @@ def load_training_state(out_dir: Path, fingerprint: dict[str, str]) -> dict | No
     return state
 
 
+# The options every run of `run_steps` has (TrainConfig, DistillConfig), checked the same way.
+RUN_OPTION_CHECKS = {
+    "seed": options.seed,
+    "steps": options.positive,
+    "batch_size": options.positive,
+    "lr": options.positive_float,
+    "warmup_steps": options.non_negative,
+    "weight_decay": options.non_negative_float,
+    "n_layer": options.positive,
+    "n_head": options.positive,
+    "n_embd": options.positive,
+    "checkpoint_every": options.positive,
+}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
@@ -128,19 +143,10 @@ class TrainConfig:
     def __post_init__(self):
         check_options(
             self,
-            seed=options.seed,
-            steps=options.positive,
-            batch_size=options.positive,
-            lr=options.positive_float,
-            warmup_steps=options.non_negative,
-            weight_decay=options.non_negative_float,
+            **RUN_OPTION_CHECKS,
             universe_size=options.positive,
             k=options.positive,
             max_mentions=options.positive,
-            n_layer=options.positive,
-            n_head=options.positive,
-            n_embd=options.positive,
-            checkpoint_every=options.positive,
             event_weight=options.positive_float,
             lora_r=options.positive,
         )
