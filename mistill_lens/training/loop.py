@@ -187,6 +187,66 @@ def event_token_mask(tokenizer: PreTrainedTokenizerFast, example: task.Example) 
     return [False] * n_prompt + in_event + [False]
 
 
+EncodedExample = tuple[list[int], list[bool], list[bool] | None]
+
+
+def encode_example(
+    tokenizer: PreTrainedTokenizerFast, example: task.Example, with_events: bool
+) -> EncodedExample:
+    """``encode`` of the example, and (``with_events``) its decision-event mask."""
+    ids, targets = encode(tokenizer, example.prompt, example.output)
+    return ids, targets, event_token_mask(tokenizer, example) if with_events else None
+
+
+# Set in each data worker before its first batch (fork start: inherited, never pickled).
+_WORKER_JOB: tuple | None = None
+
+
+def _encode_batch(indices: range) -> list[EncodedExample]:
+    config, tokenizer = _WORKER_JOB
+    task_config = dict(
+        universe_size=config.universe_size, k=config.k, max_mentions=config.max_mentions
+    )
+    return [
+        encode_example(
+            tokenizer,
+            task.example_at(config.seed, "train", i, **task_config),
+            config.event_weight != 1.0,
+        )
+        for i in indices
+    ]
+
+
+def training_batches(
+    config: TrainConfig, tokenizer: PreTrainedTokenizerFast, start_step: int, workers: int = 0
+):
+    """The encoded batches of steps ``start_step .. config.steps - 1``, in order. Batch ``s`` holds
+    examples ``s * batch_size ..`` of the training stream whatever ``workers`` is: with workers,
+    a few batches are made ahead in other processes while the model trains on the current one."""
+    global _WORKER_JOB
+    _WORKER_JOB = (config, tokenizer)
+    steps = range(start_step, config.steps)
+    batch = config.batch_size
+
+    def indices(step: int) -> range:
+        return range(step * batch, (step + 1) * batch)
+
+    if workers == 0:
+        for step in steps:
+            yield _encode_batch(indices(step))
+        return
+    import multiprocessing
+
+    ahead = 4 * workers
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        pending = [pool.apply_async(_encode_batch, (indices(s),)) for s in steps[:ahead]]
+        for n, step in enumerate(steps):
+            if n + ahead < len(steps):
+                pending.append(pool.apply_async(_encode_batch, (indices(steps[n + ahead]),)))
+            yield pending[n].get()
+            pending[n] = None  # done with: let it be freed
+
+
 def collate(
     encoded: list[tuple[list[int], list[bool]]], pad_id: int
 ) -> tuple[
@@ -407,12 +467,16 @@ def train(
     command: str = "",
     progress: bool = True,
     device: str = "cpu",
+    data_workers: int = 0,
 ) -> dict:
     """Train (or resume) a teacher or base student; returns the metadata written next to the weights.
 
-    ``device`` is not part of the configuration: a run may resume on another machine (the same
-    seed gives the same data; numerics differ between devices).
+    ``device`` and ``data_workers`` are not part of the configuration: a run may resume on another
+    machine (the same seed gives the same data; numerics differ between devices, and a GPU trains
+    with bfloat16 autocast). ``data_workers`` processes make the next batches while a step runs.
     """
+    if data_workers < 0:
+        raise ValueError(f"data_workers must be 0 or more, got {data_workers}")
     target = resolve_device(device)
     out_dir = claim_checkpoint_dir(out_dir, "train")
     tokenizer = role_tokenizer(config)
@@ -433,14 +497,7 @@ def train(
         optimizer.load_state_dict(resumed[1]["optimizer"])
         torch.set_rng_state(resumed[1]["torch_rng"])
 
-    stream = task.iter_examples(
-        config.seed,
-        "train",
-        universe_size=config.universe_size,
-        k=config.k,
-        max_mentions=config.max_mentions,
-        start=step * config.batch_size,
-    )
+    batches = training_batches(config, tokenizer, step, data_workers)
     n_params = sum(p.numel() for p in parameters)
 
     def save(step: int, elapsed: float) -> dict:
@@ -455,6 +512,7 @@ def train(
             "final_loss": losses[-1] if losses else None,
             "torch": torch.__version__,
             "device": target.type,
+            "precision": "bf16-autocast" if target.type == "cuda" else "fp32",
         }
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
@@ -473,26 +531,37 @@ def train(
         model.to(target)
         return metadata
 
+    # bfloat16 matrix products on a GPU (the weights and optimizer stay float32)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.type == "cuda")
+
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
-        examples = [next(stream) for _ in range(config.batch_size)]
+        encoded = next(batches)
         ids, attention, targets = (
-            t.to(target)
-            for t in collate(
-                [encode(tokenizer, ex.prompt, ex.output) for ex in examples], tokenizer.pad_token_id
-            )
+            t.to(target) for t in collate([(e[0], e[1]) for e in encoded], tokenizer.pad_token_id)
         )
         weights = None
         if config.event_weight != 1.0:
             is_event = torch.zeros_like(targets)
-            for row, ex in enumerate(examples):
-                mask = event_token_mask(tokenizer, ex)
+            for row, (_, _, mask) in enumerate(encoded):
                 is_event[row, : len(mask)] = torch.tensor(mask)
             weights = (1.0 + (config.event_weight - 1.0) * is_event.float()).to(target)
-        loss = output_loss(model, ids, attention, targets, weights)
+        with autocast:
+            loss = output_loss(model, ids, attention, targets, weights)
         losses.append(round(loss.item(), 5))
         return loss, {"loss": f"{loss.item():.4f}"}
 
     desc = f"train {config.role if config.student is None else 'student ' + config.student}"
-    return run_steps(
-        config, optimizer, parameters, step, elapsed, loss_at, save, desc=desc, progress=progress
-    )
+    try:
+        return run_steps(
+            config,
+            optimizer,
+            parameters,
+            step,
+            elapsed,
+            loss_at,
+            save,
+            desc=desc,
+            progress=progress,
+        )
+    finally:
+        batches.close()  # stops the data workers
