@@ -1,0 +1,522 @@
+"""Exact interventions at decode cost.
+
+Every intervention of this toolkit edits head outputs (``hook_z``) at a decision event's
+predicting position ``p`` and reads the margin there. Causal attention means nothing before ``p``
+changes, so an intervention whose first edited layer is ``l`` needs only the clean keys and values
+of positions ``< p`` (one clean pass per example, shared by all its events) and a recomputation of
+the single position ``p`` through layers ``l .. L-1``: the cost of one decode step, not of a
+forward over the whole context. Many (intervention, event) items share each step in the batch.
+
+:class:`InterventionEngine` wraps a model (a ``TransformerBridge`` or the Hugging Face model under
+it) and answers the questions the hook-based code asks of a full forward:
+
+* ``margins(batch, hooks_for)``: each event's margin with ``hooks_for(view)``'s hooks applied,
+  where ``view`` is the *event-position view* of the batch: the same events with one position each
+  (``view.predict_positions`` all 0). The hook factories of :mod:`mistill_lens.lens.hooks`
+  (mean ablation, ablate-all-but, knock-in, and any combination) build the same hooks for that view
+  as for the full rows, so one ``hooks_for`` runs in both, with the same result.
+* ``attribution(batch, means)``: gradient x (activation - mean) per head at every event, through
+  the same single-position recomputation (exact: the margin at ``p`` depends on ``hook_z`` at ``p``
+  only through position ``p``).
+* ``event_z(batch)`` (the clean ``hook_z`` at each event, for knock-in sources) and
+  ``event_patterns(batch, layer)`` (attention rows at the events, without a [T, T] pattern).
+
+What the engine accepts: hooks on ``blocks.{l}.attn.hook_z`` whose function maps an activation of
+shape [n, 1, head, d_head] (the events' predicting positions) to one of the same shape. A hook on
+another name, or one that changes other positions, needs the full forward: ``margins`` raises
+:class:`EngineUnsupported` and :func:`mistill_lens.lens.sweep.chunked_margins` then falls back to
+the full forward with a warning. Models: GPT-2 and Llama-family causal LMs (grouped key/value
+heads and rotary positions included). The clean pass runs the Hugging Face model with memory-
+efficient attention (SDPA), so memory grows linearly in the context length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import einops
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
+from mistill_lens.lens.hooks import HookPair, check_hook_names, z_hook_name
+
+_Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
+
+
+class EngineUnsupported(ValueError):
+    """The request needs the full forward (a hook the engine cannot apply, an unknown model)."""
+
+
+@dataclass
+class _ExampleCache:
+    """One clean pass of one example's context (up to its last event's predicting position)."""
+
+    tokens: Tensor  # [T]
+    keys: list[Tensor]  # per layer [kv_head, T, d_head] (rotary applied)
+    values: list[Tensor]  # per layer [kv_head, T, d_head]
+    resid: Tensor  # [layer, n_positions, d_model]: the residual entering each layer
+    z: Tensor  # [layer, n_positions, head, d_head]: clean hook_z
+    positions: list[int]  # predicting positions, in the order of resid / z
+
+    @property
+    def n_bytes(self) -> int:
+        tensors = [*self.keys, *self.values, self.resid, self.z]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Family:
+    """How one position runs through a decoder layer of one architecture."""
+
+    n_layers: int
+    n_heads: int
+    n_kv: int
+    d_head: int
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def qkv(self, layer: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries [n, head, d], keys and values [n, kv_head, d] of residual `x` [n, d_model]."""
+        raise NotImplementedError
+
+    def attn_out(self, layer: int, z: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def mlp_block(self, layer: int, x: Tensor) -> Tensor:
+        """The residual after the layer's MLP block, from the residual after its attention."""
+        raise NotImplementedError
+
+    def unembed(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def z_module(self, layer: int) -> torch.nn.Module:
+        """The module whose input is the layer's hook_z (flattened over heads)."""
+        raise NotImplementedError
+
+    def scaling(self, layer: int) -> float:
+        raise NotImplementedError
+
+
+class _Llama(_Family):
+    def __init__(self, model):
+        super().__init__(model)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._rotate = apply_rotary_pos_emb
+        config = model.config
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.d_head = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+
+    def layer(self, i):
+        return self.model.model.layers[i]
+
+    def qkv(self, layer, x, positions):
+        block = self.layer(layer)
+        h = block.input_layernorm(x[:, None, :])  # [n, 1, d_model]
+        attn = block.self_attn
+        q = einops.rearrange(attn.q_proj(h), "n s (h d) -> n h s d", d=self.d_head)
+        k = einops.rearrange(attn.k_proj(h), "n s (h d) -> n h s d", d=self.d_head)
+        v = einops.rearrange(attn.v_proj(h), "n s (h d) -> n h s d", d=self.d_head)
+        cos, sin = self.model.model.rotary_emb(v, positions[:, None])
+        q, k = self._rotate(q, k, cos, sin)
+        return q[:, :, 0], k[:, :, 0], v[:, :, 0]
+
+    def attn_out(self, layer, z):
+        return self.layer(layer).self_attn.o_proj(einops.rearrange(z, "n h d -> n (h d)"))
+
+    def mlp_block(self, layer, x):
+        block = self.layer(layer)
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    def unembed(self, x):
+        return self.model.lm_head(self.model.model.norm(x))
+
+    def z_module(self, layer):
+        return self.layer(layer).self_attn.o_proj
+
+    def scaling(self, layer):
+        return self.layer(layer).self_attn.scaling
+
+
+class _GPT2(_Family):
+    def __init__(self, model):
+        super().__init__(model)
+        config = model.config
+        self.n_layers = config.n_layer
+        self.n_heads = self.n_kv = config.n_head
+        self.d_head = config.n_embd // config.n_head
+        if getattr(config, "reorder_and_upcast_attn", False):
+            raise EngineUnsupported("GPT-2 with reorder_and_upcast_attn is not supported")
+
+    def layer(self, i):
+        return self.model.transformer.h[i]
+
+    def qkv(self, layer, x, positions):
+        block = self.layer(layer)
+        q, k, v = block.attn.c_attn(block.ln_1(x)).split(self.n_heads * self.d_head, dim=-1)
+        split = "n (h d) -> n h d"
+        return (einops.rearrange(t, split, d=self.d_head) for t in (q, k, v))
+
+    def attn_out(self, layer, z):
+        return self.layer(layer).attn.c_proj(einops.rearrange(z, "n h d -> n (h d)"))
+
+    def mlp_block(self, layer, x):
+        block = self.layer(layer)
+        return x + block.mlp(block.ln_2(x))
+
+    def unembed(self, x):
+        return self.model.lm_head(self.model.transformer.ln_f(x))
+
+    def z_module(self, layer):
+        return self.layer(layer).attn.c_proj
+
+    def scaling(self, layer):
+        return self.layer(layer).attn.scaling
+
+
+_FAMILIES = {"llama": _Llama, "mistral": _Llama, "qwen2": _Llama, "gpt2": _GPT2}
+
+
+def unbridged(model) -> PreTrainedModel:
+    """The plain Hugging Face model behind `model` (a bridge, or already a plain model), sharing
+    its weight tensors (no copy), with memory-efficient attention for long contexts."""
+    if isinstance(model, PreTrainedModel):
+        hf = model
+        if hf.config._attn_implementation == "sdpa":
+            return hf
+    else:
+        hf = getattr(model, "original_model", None)
+        if not isinstance(hf, PreTrainedModel):
+            raise EngineUnsupported(
+                f"{type(model).__name__} is neither a TransformerBridge nor a Hugging Face model"
+            )
+    # The bridge replaces the HF modules in place; its state dict names every HF weight with
+    # `._original_component` inserted. A twin of the HF class takes the same tensors.
+    state = {
+        re.sub(r"\._original_component", "", name): tensor
+        for name, tensor in hf.state_dict(keep_vars=True).items()
+    }
+    twin = type(hf)._from_config(hf.config, attn_implementation="sdpa")
+    wanted = twin.state_dict().keys()
+    missing = sorted(set(wanted) - set(state))
+    if missing:
+        raise EngineUnsupported(f"cannot find these weights behind the model: {missing[:3]}")
+    twin.load_state_dict({name: state[name] for name in wanted}, assign=True)
+    if getattr(hf.config, "tie_word_embeddings", False):
+        twin.tie_weights()
+    return twin.to(next(hf.parameters()).device).eval()
+
+
+class InterventionEngine:
+    """Exact interventions on `model` at decision events, at the cost of single-position steps.
+
+    ``cache_bytes`` bounds the clean passes kept (least recently used ones are recomputed when
+    needed again); ``chunk`` is the number of items one step batches.
+    """
+
+    def __init__(self, model, cache_bytes: int = 4 * 2**30, chunk: int = 512):
+        self.model = model
+        self.hf = unbridged(model)
+        model_type = self.hf.config.model_type
+        if model_type not in _FAMILIES:
+            raise EngineUnsupported(
+                f"no engine for model type {model_type!r} (supported: {sorted(_FAMILIES)})"
+            )
+        self.family = _FAMILIES[model_type](self.hf)
+        self.n_layers = self.family.n_layers
+        self.n_heads = self.family.n_heads
+        self.cache_bytes = cache_bytes
+        self.chunk = chunk
+        self._caches: OrderedDict[int, _ExampleCache] = OrderedDict()
+
+    # --- clean passes ----------------------------------------------------------------------
+
+    def _contexts(self, batch: EventBatch) -> dict[int, Tensor]:
+        """Per example id, the longest context among its rows (every row must be its prefix)."""
+        longest: dict[int, int] = {}
+        for row, event in enumerate(batch.events):
+            best = longest.get(event.example_id)
+            if best is None or batch.predict_positions[row] > batch.predict_positions[best]:
+                longest[event.example_id] = row
+        contexts = {}
+        for example_id, row in longest.items():
+            contexts[example_id] = batch.tokens[row, : int(batch.predict_positions[row]) + 1]
+        for row, event in enumerate(batch.events):
+            p = int(batch.predict_positions[row])
+            if not torch.equal(batch.tokens[row, : p + 1], contexts[event.example_id][: p + 1]):
+                raise EngineUnsupported(
+                    f"rows of example {event.example_id} hold different contexts; give each "
+                    "example its own example_id"
+                )
+        return contexts
+
+    @torch.no_grad()
+    def _clean_pass(self, tokens: Tensor, positions: list[int]) -> _ExampleCache:
+        family = self.family
+        z_at: dict[int, Tensor] = {}
+        index = torch.tensor(positions)
+
+        def keep_z(layer):
+            def hook(module, args):
+                z_at[layer] = args[0][0, index].detach()
+
+            return hook
+
+        handles = [
+            family.z_module(layer).register_forward_pre_hook(keep_z(layer))
+            for layer in range(self.n_layers)
+        ]
+        try:
+            device = next(self.hf.parameters()).device
+            out = self.hf(
+                tokens[None].to(device), use_cache=True, output_hidden_states=True, logits_to_keep=1
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        keys, values = _cache_tensors(out.past_key_values, self.n_layers)
+        hidden = out.hidden_states  # embeddings, then each layer's output (the last after the norm)
+        resid = torch.stack([hidden[layer][0, index] for layer in range(self.n_layers)])
+        z = torch.stack(
+            [
+                einops.rearrange(z_at[layer], "e (h d) -> e h d", h=self.n_heads)
+                for layer in range(self.n_layers)
+            ]
+        )
+        return _ExampleCache(tokens, keys, values, resid, z, positions)
+
+    def _cache_for(self, example_id: int, context: Tensor, positions: list[int]) -> _ExampleCache:
+        cached = self._caches.get(example_id)
+        if (
+            cached is not None
+            and cached.tokens.shape[0] >= context.shape[0]
+            and torch.equal(cached.tokens[: context.shape[0]], context)
+            and set(positions) <= set(cached.positions)
+        ):
+            self._caches.move_to_end(example_id)
+            return cached
+        if cached is not None and torch.equal(
+            cached.tokens[: min(len(cached.tokens), len(context))],
+            context[: min(len(cached.tokens), len(context))],
+        ):
+            positions = sorted(set(positions) | set(cached.positions))
+            if cached.tokens.shape[0] > context.shape[0]:
+                context = cached.tokens
+        cache = self._clean_pass(context, sorted(set(positions)))
+        self._caches[example_id] = cache
+        self._caches.move_to_end(example_id)
+        while len(self._caches) > 1 and sum(c.n_bytes for c in self._caches.values()) > (
+            self.cache_bytes
+        ):
+            self._caches.popitem(last=False)
+        return cache
+
+    def prepare(self, batch: EventBatch) -> None:
+        """Run (or reuse) the clean pass of every example in `batch`."""
+        contexts = self._contexts(batch)
+        positions: dict[int, set[int]] = {}
+        for row, event in enumerate(batch.events):
+            positions.setdefault(event.example_id, set()).add(int(batch.predict_positions[row]))
+        for example_id, context in contexts.items():
+            self._cache_for(example_id, context, sorted(positions[example_id]))
+
+    def clear(self) -> None:
+        self._caches.clear()
+
+    # --- the single-position recomputation ---------------------------------------------------
+
+    def _groups(self, batch: EventBatch) -> list[tuple[_ExampleCache, Tensor, Tensor]]:
+        """The rows of `batch` by example: (its clean pass, the rows, their slots in the pass)."""
+        contexts = self._contexts(batch)
+        by_example: dict[int, list[int]] = {}
+        for row, event in enumerate(batch.events):
+            by_example.setdefault(event.example_id, []).append(row)
+        groups = []
+        for example_id, rows in by_example.items():
+            positions = [int(batch.predict_positions[r]) for r in rows]
+            cache = self._cache_for(example_id, contexts[example_id], positions)
+            slots = [cache.positions.index(p) for p in positions]
+            groups.append((cache, torch.tensor(rows), torch.tensor(slots)))
+        return groups
+
+    def _run(
+        self,
+        groups: list[tuple[_ExampleCache, Tensor, Tensor]],
+        n: int,
+        start: int,
+        layer_hooks: dict[int, list[Callable]],
+        z_leaves: dict[int, Tensor] | None = None,
+    ) -> Float[Tensor, "n vocab"]:
+        """Logits at `n` events (row `rows` of each group is slot `slots` of its example's clean
+        pass), recomputed from layer `start` with `layer_hooks[l]` applied to hook_z
+        [n, 1, head, d_head]; `z_leaves[l]` is added to hook_z (for gradients)."""
+        family = self.family
+        first = groups[0][0].resid
+        x = torch.empty(n, first.shape[-1], dtype=first.dtype, device=first.device)
+        positions = torch.empty(n, dtype=torch.long, device=first.device)
+        for cache, rows, slots in groups:
+            x[rows] = cache.resid[start, slots]
+            positions[rows] = torch.tensor(cache.positions, device=first.device)[slots]
+        for layer in range(start, self.n_layers):
+            q, k, v = family.qkv(layer, x, positions)
+            scale = family.scaling(layer)
+            groups_per_kv = self.n_heads // k.shape[1]
+            q = einops.rearrange(q, "n (k g) d -> n k g d", g=groups_per_kv)
+            # each event attends to its example's earlier positions (clean keys and values) and to
+            # its own, recomputed, key and value
+            own = einops.einsum(q, k, "n k g d, n k d -> n k g")[..., None] * scale
+            z = torch.empty_like(q)
+            for cache, rows, _ in groups:
+                keys, values = cache.keys[layer], cache.values[layer]
+                scores = einops.einsum(q[rows], keys, "n k g d, k t d -> n k g t") * scale
+                earlier = torch.arange(keys.shape[1], device=keys.device) < positions[rows, None]
+                scores = scores.masked_fill(~earlier[:, None, None, :], float("-inf"))
+                weights = torch.cat([scores, own[rows]], dim=-1).float().softmax(dim=-1)
+                weights = weights.to(q.dtype)
+                z[rows] = (
+                    einops.einsum(weights[..., :-1], values, "n k g t, k t d -> n k g d")
+                    + weights[..., -1:] * v[rows, :, None, :]
+                )
+            z = einops.rearrange(z, "n k g d -> n (k g) d")
+            if z_leaves is not None:
+                z = z + z_leaves[layer]
+            if layer in layer_hooks:
+                act = z[:, None]
+                for fn in layer_hooks[layer]:
+                    act = fn(act, SimpleNamespace(name=z_hook_name(layer)))
+                    if tuple(act.shape) != (n, 1, self.n_heads, family.d_head):
+                        raise EngineUnsupported(
+                            f"a hook on {z_hook_name(layer)} returned shape {tuple(act.shape)} "
+                            f"for activations [{n}, 1, {self.n_heads}, {family.d_head}]"
+                        )
+                z = act[:, 0]
+            x = family.mlp_block(layer, x + family.attn_out(layer, z))
+        return family.unembed(x)
+
+    def margins(
+        self,
+        batch: EventBatch,
+        hooks_for: Callable[[EventBatch], Sequence[HookPair]],
+        chunk: int | None = None,
+    ) -> Float[Tensor, "event"]:
+        """Each event's margin with `hooks_for(view)`'s hooks applied, `view` being the
+        event-position view of each chunk of rows (see the module docstring)."""
+        margins = torch.empty(len(batch), dtype=torch.float32)
+        with torch.no_grad():
+            for rows in row_chunks(len(batch), chunk or self.chunk):
+                sub = batch.select(list(rows))
+                view = event_view(sub)
+                layer_hooks = self._layer_hooks(hooks_for(view))
+                # without hooks: the clean margin, recomputed through the last layer only
+                start = min(layer_hooks, default=self.n_layers - 1)
+                logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
+                margins[rows.start : rows.stop] = _margins(logits, view)
+        return margins
+
+    def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, list[Callable]]:
+        check_hook_names(self.model, [name for name, _ in hooks])
+        layer_hooks: dict[int, list[Callable]] = {}
+        for name, fn in hooks:
+            match = _Z_NAME.match(name)
+            if match is None:
+                raise EngineUnsupported(
+                    f"the engine applies hooks on blocks.L.attn.hook_z only, not {name!r}"
+                )
+            layer_hooks.setdefault(int(match.group(1)), []).append(fn)
+        return layer_hooks
+
+    def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]:
+        """Clean hook_z at each event's predicting position (knock-in sources), float32."""
+        out = torch.empty(self.n_layers, len(batch), self.n_heads, self.family.d_head)
+        for cache, rows, slots in self._groups(batch):
+            out[:, rows] = cache.z[:, slots].float().cpu()
+        return out
+
+    def attribution(self, batch: EventBatch, means) -> Float[Tensor, "event layer head"]:
+        """Gradient x (activation - class mean) of each event's margin per head, as
+        :func:`mistill_lens.lens.hooks.attribution_scores` computes it on the full forward, from
+        one single-position recomputation through every layer with a backward pass."""
+        scores = torch.empty(len(batch), self.n_layers, self.n_heads)
+        class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
+        for rows in row_chunks(len(batch), self.chunk):
+            sub = batch.select(list(rows))
+            groups = self._groups(sub)
+            dtype, device = groups[0][0].z.dtype, groups[0][0].z.device
+            leaves = {
+                layer: torch.zeros(
+                    len(sub), self.n_heads, self.family.d_head, dtype=dtype, device=device
+                ).requires_grad_()
+                for layer in range(self.n_layers)
+            }
+            with torch.enable_grad():
+                logits = self._run(groups, len(sub), 0, {}, z_leaves=leaves).float()
+                grads = torch.autograd.grad(
+                    _margins(logits, event_view(sub)).sum(), list(leaves.values())
+                )
+            act = torch.empty(self.n_layers, len(sub), self.n_heads, self.family.d_head)
+            for cache, group_rows, slots in groups:
+                act[:, group_rows] = cache.z[:, slots].float().cpu()
+            mean = einops.rearrange(
+                means.means[class_index[rows.start : rows.stop]].float(), "n l h d -> l n h d"
+            )
+            grad = torch.stack(grads).float().cpu()
+            scores[rows.start : rows.stop] = einops.einsum(
+                grad, act - mean, "l n h d, l n h d -> n l h"
+            )
+        return scores
+
+    def event_patterns(self, batch: EventBatch, layer: int) -> Float[Tensor, "event head pos"]:
+        """Clean attention of each head of `layer` from each event's predicting position over its
+        context (zero-padded to the longest), computed for those rows alone: no [T, T] pattern."""
+        width = int(batch.predict_positions.max()) + 1
+        out = torch.zeros(len(batch), self.n_heads, width)
+        family = self.family
+        with torch.no_grad():
+            for cache, rows, slots in self._groups(batch):
+                positions = torch.tensor(cache.positions)[slots]
+                q, _, _ = family.qkv(layer, cache.resid[layer, slots], positions)
+                keys = cache.keys[layer]
+                q = einops.rearrange(q, "n (k g) d -> n k g d", g=self.n_heads // keys.shape[0])
+                scores = einops.einsum(q, keys, "n k g d, k t d -> n k g t") * family.scaling(layer)
+                visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
+                scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+                pattern = einops.rearrange(scores.float().softmax(-1), "n k g t -> n (k g) t")
+                out[rows, :, : keys.shape[1]] = pattern.cpu()
+        return out
+
+
+def event_view(batch: EventBatch) -> EventBatch:
+    """The events of `batch` with one position each (their predicting position, now 0): what the
+    engine's hooks see. Factories given this view build hooks for activations [n, 1, head, d]."""
+    rows = torch.arange(len(batch))
+    return EventBatch(
+        batch.tokens[rows, batch.predict_positions][:, None],
+        torch.zeros(len(batch), dtype=torch.long),
+        batch.chosen,
+        batch.contrast,
+        batch.events,
+    )
+
+
+def _margins(logits: Float[Tensor, "n vocab"], view: EventBatch) -> Float[Tensor, "n"]:
+    return margins_at(logits[:, None, :], view.predict_positions, view.chosen, view.contrast)
+
+
+def _cache_tensors(cache, n_layers: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer keys and values [kv_head, T, d_head] of a transformers cache of batch 1."""
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    else:  # older transformers: key_cache / value_cache lists
+        pairs = list(zip(cache.key_cache, cache.value_cache))
+    if len(pairs) != n_layers:
+        raise EngineUnsupported(f"the model's cache has {len(pairs)} layers, expected {n_layers}")
+    return [k[0] for k, _ in pairs], [v[0] for _, v in pairs]
