@@ -43,6 +43,7 @@ from mistill_lens.lens.elicitation import (
     elicitation_lead,
     top_heads,
 )
+from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
 from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
@@ -60,7 +61,12 @@ from mistill_lens.lens.hooks import (
     attribution_scores,
     means_from_events,
 )
-from mistill_lens.lens.sweep import ablation_sweep, clean_margins, effects_tensor
+from mistill_lens.lens.sweep import (
+    EngineFallbackWarning,
+    ablation_sweep,
+    clean_margins,
+    effects_tensor,
+)
 from mistill_lens.options import check_options
 from mistill_lens.runs import claim_run_dir, legacy_run
 
@@ -108,6 +114,10 @@ class CharacterizeConfig:
     min_events_per_kind: int = 5
     # The event kind whose early readout is measured (the ICD task: "region"); None skips it.
     elicitation_kind: str | None = None
+    # Run the interventions on the InterventionEngine (exact, at decode cost); False: one full
+    # forward per intervention (the reference path). A model the engine does not support falls
+    # back to the full forward with a recorded warning.
+    engine: bool = True
 
     def __post_init__(self):
         check_options(
@@ -142,7 +152,10 @@ def reference_means(
 def chunked_attribution(
     model, batch: EventBatch, means: HeadMeans, batch_size: int
 ) -> Float[Tensor, "event layer head"]:
-    """Attribution scores, one forward + backward per chunk of events (memory stays bounded)."""
+    """Attribution scores, one forward + backward per chunk of events (memory stays bounded); on
+    the engine, single-position passes."""
+    if isinstance(model, InterventionEngine):
+        return model.attribution(batch, means)
     return torch.cat([attribution_scores(model, sub, means) for sub in batch.chunks(batch_size)])
 
 
@@ -209,6 +222,13 @@ def characterize(
     out_dir = prepare_output(out_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if config.engine and not isinstance(model, InterventionEngine):
+            try:
+                model = InterventionEngine(model)
+            except EngineUnsupported as err:
+                warnings.warn(
+                    f"{err}: the characterisation runs on the full forward", EngineFallbackWarning
+                )
         summary = _characterize(
             model,
             tokenizer,
@@ -220,7 +240,7 @@ def characterize(
             near_miss_text,
         )
     for warning in caught:  # ours go into the summary, anyone else's back to the caller
-        if issubclass(warning.category, StaleResultWarning):
+        if issubclass(warning.category, (StaleResultWarning, EngineFallbackWarning)):
             summary["warnings"].append(str(warning.message))
         else:
             warnings.warn_explicit(

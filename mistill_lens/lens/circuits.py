@@ -18,13 +18,13 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
     EventBatch,
     kind_mask,
     margin_fraction,
-    margins_at,
     row_chunks,
 )
 from mistill_lens.lens.hooks import (
@@ -142,26 +142,30 @@ def knock_in_transfer(
         targets = rows[part.start : part.stop]
         sources = donors[targets]
         source_batch = batch.select(sources)
-        values = gather_at_positions(
-            collect_z(model, source_batch.tokens),
-            torch.arange(len(sources)),
-            source_batch.predict_positions,
-        )
+        if isinstance(model, InterventionEngine):
+            values = model.event_z(source_batch)
+        else:
+            values = gather_at_positions(
+                collect_z(model, source_batch.tokens),
+                torch.arange(len(sources)),
+                source_batch.predict_positions,
+            )
         target_batch = batch.select(targets)
-        donor_choice = (
+        # B's contexts scored on A's decision (A's chosen and contrast tokens)
+        donor_choice = EventBatch(
+            target_batch.tokens,
             target_batch.predict_positions,
             batch.chosen[sources],
             batch.contrast[sources],
+            target_batch.events,
         )
-        with torch.no_grad():
-            before = margins_at(model(target_batch.tokens), *donor_choice)
-            after = margins_at(
-                model.run_with_hooks(
-                    target_batch.tokens,
-                    fwd_hooks=knock_in_hooks(model, heads, values, target_batch.predict_positions),
-                ),
-                *donor_choice,
-            )
+        before = clean_margins(model, donor_choice, batch_size=len(targets))
+        after = chunked_margins(
+            model,
+            donor_choice,
+            lambda sub: knock_in_hooks(model, heads, values, sub.predict_positions),
+            batch_size=len(targets),  # one chunk: `values` holds one source per row of it
+        )
         gap = own[sources] - before
         transfer[targets] = torch.where(gap > 1e-6, (after - before) / gap, torch.nan)
     return transfer
@@ -334,12 +338,17 @@ def attention_mass(
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     mass = torch.zeros(len(batch), n_layers, n_heads)
     for rows in row_chunks(len(batch), batch_size):
+        if isinstance(model, InterventionEngine):  # the event rows alone, no [T, T] pattern
+            sub = batch.select(rows)
+            target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
+            for layer in range(n_layers):
+                pattern = model.event_patterns(sub, layer)
+                mass[rows, layer] = torch.einsum(
+                    "bhk,bk->bh", pattern, target_mask[:, : pattern.shape[-1]]
+                )
+            continue
         sub = batch.select(rows)
-        target_mask = torch.zeros(len(rows), sub.tokens.shape[1])
-        for i, row in enumerate(rows):
-            if any(p > int(batch.predict_positions[row]) or p < 0 for p in targets[row]):
-                raise IndexError(f"attention targets of event {row} lie outside its context")
-            target_mask[i, list(targets[row])] = 1.0
+        target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
         query_rows = {}
 
         def keep_query_row(layer):
@@ -361,6 +370,17 @@ def attention_mass(
         for layer in range(n_layers):
             mass[rows, layer] = torch.einsum("bhk,bk->bh", query_rows[layer], target_mask)
     return mass
+
+
+def _target_mask(
+    batch: EventBatch, rows: range, targets: Sequence[Sequence[int]], width: int
+) -> Float[Tensor, "event pos"]:
+    mask = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        if any(p > int(batch.predict_positions[row]) or p < 0 for p in targets[row]):
+            raise IndexError(f"attention targets of event {row} lie outside its context")
+        mask[i, list(targets[row])] = 1.0
+    return mask
 
 
 def head_families(

@@ -45,7 +45,13 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
-from mistill_lens.lens.hooks import HookPair, check_hook_names, z_hook_name
+from mistill_lens.lens.hooks import (
+    HookPair,
+    check_hook_names,
+    event_position_classes,
+    row_head_ablation_hooks,
+    z_hook_name,
+)
 
 _Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
 
@@ -238,6 +244,13 @@ class InterventionEngine:
         self.chunk = chunk
         self._caches: OrderedDict[int, _ExampleCache] = OrderedDict()
 
+    def __getattr__(self, name: str):
+        # stands in for its model anywhere in the lens: what the engine does not answer itself
+        # (cfg, hook_dict, run_with_hooks, state_dict, ...) is the model's
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
     # --- clean passes ----------------------------------------------------------------------
 
     def _contexts(self, batch: EventBatch) -> dict[int, Tensor]:
@@ -421,6 +434,30 @@ class InterventionEngine:
                 logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
                 margins[rows.start : rows.stop] = _margins(logits, view)
         return margins
+
+    def layer_sweep(
+        self, batch: EventBatch, means, layer: int, heads: Sequence[int]
+    ) -> Float[Tensor, "head event"]:
+        """Margins with each of `heads` of `layer` mean-ablated alone, at every event: one
+        batched recomputation from `layer` for all (head, event) pairs."""
+        n = len(batch)
+        repeated = batch.select(torch.arange(n).repeat(len(heads)))
+        row_heads = torch.tensor(list(heads)).repeat_interleave(n)
+        margins = torch.empty(len(repeated))
+        with torch.no_grad():
+            for rows in row_chunks(len(repeated), self.chunk):
+                sub = repeated.select(list(rows))
+                view = event_view(sub)
+                hooks = row_head_ablation_hooks(
+                    self.model,
+                    layer,
+                    row_heads[rows.start : rows.stop],
+                    means,
+                    event_position_classes(view, means.class_names),
+                )
+                logits = self._run(self._groups(sub), len(sub), layer, self._layer_hooks(hooks))
+                margins[rows.start : rows.stop] = _margins(logits.float(), view)
+        return margins.view(len(heads), n)
 
     def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, list[Callable]]:
         check_hook_names(self.model, [name for name, _ in hooks])

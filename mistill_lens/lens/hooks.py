@@ -240,6 +240,35 @@ def mean_ablation_hooks(
     return _mean_ablation_pairs(model, validate_heads(model, heads), means, position_class)
 
 
+def row_head_ablation_hooks(
+    model,
+    layer: int,
+    row_heads: Int[Tensor, "batch"],
+    means: HeadMeans,
+    position_class: Int[Tensor, "batch pos"],
+) -> list[HookPair]:
+    """Mean-ablate head `row_heads[b]` of `layer` in row b (at its classed positions): many
+    single-head ablations in one pass, one per row (a sweep over a layer's heads)."""
+    n_layers, n_heads = n_layers_heads(model)
+    validate_heads(model, [(layer, int(h)) for h in row_heads.unique()])
+    if row_heads.shape[0] != position_class.shape[0]:
+        raise ValueError(
+            f"{row_heads.shape[0]} row heads for a batch of {position_class.shape[0]} rows"
+        )
+    for index in position_class[position_class >= 0].unique().tolist():
+        means.class_index(means.class_names[index])  # raises if that class had no positions
+    layer_means = means.means[:, layer]  # [cls, head, d_head]
+    heads_mask = torch.nn.functional.one_hot(row_heads, n_heads).bool()  # [batch, head]
+
+    def ablate(act: Tensor, hook) -> Tensor:
+        _check_z(act, n_heads, tuple(position_class.shape), "row head ablation")
+        replacement = layer_means.to(act.dtype)[position_class.clamp(min=0)]
+        where = (position_class >= 0)[:, :, None, None] & heads_mask[:, None, :, None]
+        return torch.where(where, replacement, act)
+
+    return [(z_hook_name(layer), ablate)]
+
+
 def ablate_all_but_hooks(
     model, keep: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
 ) -> list[HookPair]:

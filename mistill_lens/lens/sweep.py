@@ -16,6 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import (
     StaleResultError,
@@ -52,13 +53,28 @@ SWEEP_COLUMNS = [
 ]
 
 
+class EngineFallbackWarning(UserWarning):
+    """An intervention the engine cannot apply ran on the full forward instead."""
+
+
 def chunked_margins(
     model,
     batch: EventBatch,
     hooks_for: Callable[[EventBatch], list[HookPair]],
     batch_size: int = 256,
 ) -> Float[Tensor, "event"]:
-    """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks."""
+    """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks.
+
+    With an :class:`InterventionEngine` as `model`, each chunk runs at decode cost on the
+    event-position view; hooks the engine cannot apply run on the full forward, with a warning."""
+    if isinstance(model, InterventionEngine):
+        try:
+            return model.margins(batch, hooks_for, chunk=batch_size)
+        except EngineUnsupported as err:
+            warnings.warn(
+                f"{err}: these margins ran on the full forward", EngineFallbackWarning, stacklevel=2
+            )
+            model = model.model
     return torch.cat([run_margins(model, sub, hooks_for(sub)) for sub in batch.chunks(batch_size)])
 
 
@@ -177,17 +193,32 @@ def ablation_sweep(
             out_path, index=False
         )  # drop any partial head (or a stale table) before appending
     frames = [done]
-    for head in tqdm(
-        [h for h in heads if h not in finished], desc="ablation sweep", disable=not progress
-    ):
-        rows = _sweep_rows(
-            batch, head, clean, ablated_margins(model, batch, means, [head], batch_size)
-        )
-        if out_path is not None:
-            rows.to_csv(out_path, mode="a", header=False, index=False)
-        frames.append(rows)
+    todo = [h for h in heads if h not in finished]
+    with tqdm(total=len(todo), desc="ablation sweep", disable=not progress) as bar:
+        for group in _sweep_groups(model, todo):
+            if isinstance(model, InterventionEngine):  # a layer's heads in one batched pass
+                layer = group[0][0]
+                ablated = model.layer_sweep(batch, means, layer, [h for _, h in group])
+            else:
+                ablated = [ablated_margins(model, batch, means, group, batch_size)]
+            for head, margins in zip(group, ablated):
+                rows = _sweep_rows(batch, head, clean, margins)
+                if out_path is not None:
+                    rows.to_csv(out_path, mode="a", header=False, index=False)
+                frames.append(rows)
+                bar.update(1)
     table = pd.concat([f for f in frames if len(f)], ignore_index=True)
     return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
+
+
+def _sweep_groups(model, heads: list[Head]) -> list[list[Head]]:
+    """Heads run together: a layer's at once on the engine, one by one on the full forward."""
+    if not isinstance(model, InterventionEngine):
+        return [[head] for head in heads]
+    by_layer: dict[int, list[Head]] = {}
+    for head in heads:
+        by_layer.setdefault(head[0], []).append(head)
+    return list(by_layer.values())
 
 
 def _read_table(path: Path) -> pd.DataFrame:

@@ -1,0 +1,216 @@
+"""The intervention engine against the full forward: every intervention and combination, on GPT-2,
+Llama with grouped key/value heads and the planted model, in float32 and bfloat16."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import head_ablation_effects
+from planted import DECIDER, WITHIN
+from transformer_lens import TransformerBridge
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mistill_lens import task
+from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
+from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine, event_view
+from mistill_lens.lens.events import events_from_spans, make_event_batch
+from mistill_lens.lens.hooks import (
+    ablate_all_but_hooks,
+    attribution_scores,
+    collect_z,
+    event_position_classes,
+    knock_in_hooks,
+    mean_ablation_hooks,
+    means_from_events,
+    run_margins,
+)
+from mistill_lens.lens.sweep import (
+    EngineFallbackWarning,
+    ablation_sweep,
+    chunked_margins,
+    effects_tensor,
+)
+from mistill_lens.models.checkpoints import load_model
+from mistill_lens.models.tokenizers import student_tokenizer
+
+
+def gqa_llama(dtype=torch.float32):
+    """A random Llama with 4 query heads sharing 2 key/value heads, rotary positions."""
+    tokenizer = student_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    bridge = TransformerBridge.boot_transformers(
+        "gqa-llama", hf_model=hf, tokenizer=tokenizer, device="cpu", dtype=dtype
+    )
+    return bridge.to(dtype), tokenizer
+
+
+MODELS = {
+    "gpt2 teacher": lambda: load_model("default"),
+    "llama student": lambda: load_model("checkpoints/base_students/llama"),
+    "llama grouped kv": gqa_llama,
+}
+
+
+def task_batch(tokenizer, n=3, k=8):
+    examples = task.generate_examples(n, 0, "heldout", k=k, max_mentions=2)
+    encoded = [events_from_spans(e, tokenizer, i) for i, e in enumerate(examples)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return make_event_batch(encoded, pad_token_id=pad)
+
+
+def knock_in_values(model, batch, sources):
+    return collect_z(model, batch.tokens)[:, sources, batch.predict_positions[sources]]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_intervention_matches_the_full_forward(name):
+    model, tokenizer = MODELS[name]()
+    batch = task_batch(tokenizer)
+    means = means_from_events(model, batch)
+    engine = InterventionEngine(model)
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    heads = [(0, 1), (n_layers - 1, n_heads - 1), (1, 0)]
+    sources = torch.arange(len(batch)).flip(0)
+    full_values = knock_in_values(model, batch, sources)
+    engine_values = engine.event_z(batch)[:, sources]
+    torch.testing.assert_close(engine_values, full_values, atol=1e-4, rtol=0)
+
+    def classes(b):
+        return event_position_classes(b, means.class_names)
+
+    def scale_head(b):
+        def fn(act, hook):
+            act = act.clone()
+            act[torch.arange(act.shape[0]), b.predict_positions, 1] *= 3.0
+            return act
+
+        return [(f"blocks.{n_layers // 2}.attn.hook_z", fn)]
+
+    interventions = {
+        "clean": lambda b: [],
+        "mean ablation": lambda b: mean_ablation_hooks(model, heads, means, classes(b)),
+        "ablate all but": lambda b: ablate_all_but_hooks(model, heads, means, classes(b)),
+        "knock-in": lambda b: knock_in_hooks(
+            model, heads, full_values if b is batch else engine_values, b.predict_positions
+        ),
+        "a user's hook": scale_head,
+        "ablation + knock-in + user hook": lambda b: [
+            *mean_ablation_hooks(model, heads[:1], means, classes(b)),
+            *knock_in_hooks(
+                model, heads[1:], full_values if b is batch else engine_values, b.predict_positions
+            ),
+            *scale_head(b),
+        ],
+    }
+    clean = run_margins(model, batch)
+    for what, hooks_for in interventions.items():
+        full = run_margins(model, batch, hooks_for(batch))
+        fast = engine.margins(batch, hooks_for, chunk=len(batch))
+        torch.testing.assert_close(fast, full, atol=1e-4, rtol=0, msg=f"{name}: {what}")
+        if what != "clean":
+            assert (full - clean).abs().max() > 1e-3, f"{what} changed nothing: a vacuous check"
+
+    torch.testing.assert_close(
+        engine.attribution(batch, means), attribution_scores(model, batch, means), atol=1e-4, rtol=0
+    )
+    for layer in (0, n_layers - 1):
+        _, cache = model.run_with_cache(
+            batch.tokens, names_filter=[f"blocks.{layer}.attn.hook_pattern"]
+        )
+        rows = torch.arange(len(batch))
+        full_rows = cache[f"blocks.{layer}.attn.hook_pattern"][rows, :, batch.predict_positions]
+        got = engine.event_patterns(batch, layer)
+        torch.testing.assert_close(got, full_rows[..., : got.shape[-1]], atol=1e-5, rtol=0)
+
+
+def test_bfloat16_engine_matches_the_bfloat16_full_forward():
+    model, tokenizer = gqa_llama(torch.bfloat16)
+    batch = task_batch(tokenizer)
+    means = means_from_events(model, batch)
+    engine = InterventionEngine(model)
+    heads = [(0, 1), (2, 3)]
+
+    def ablate(b):
+        return mean_ablation_hooks(
+            model, heads, means, event_position_classes(b, means.class_names)
+        )
+
+    full = run_margins(model, batch, ablate(batch)).float()
+    fast = engine.margins(batch, ablate).float()
+    # bfloat16 keeps 8 bits of mantissa: the two kernel orders differ by a few of its steps
+    scale = full.abs().max().clamp(min=1.0)
+    assert (fast - full).abs().max() <= 0.05 * scale, (fast - full).abs().max()
+
+
+def test_planted_necessity_knock_in_and_families_are_exact_on_the_engine(planted, planted_data):
+    bridge, _ = planted
+    engine = InterventionEngine(bridge)
+    batch, means = planted_data["batch"], planted_data["means"]
+    torch.testing.assert_close(
+        necessity(engine, batch, means, [DECIDER, WITHIN]),
+        necessity(bridge, batch, means, [DECIDER, WITHIN]),
+        atol=1e-5,
+        rtol=0,
+    )
+    donors = knock_in_donors(batch, seed=0)
+    torch.testing.assert_close(
+        knock_in_transfer(engine, batch, [DECIDER, WITHIN], donors),
+        knock_in_transfer(bridge, batch, [DECIDER, WITHIN], donors),
+        atol=1e-5,
+        rtol=0,
+        equal_nan=True,
+    )
+    targets = [[0, int(p)] for p in batch.predict_positions]
+    torch.testing.assert_close(
+        attention_mass(engine, batch, targets),
+        attention_mass(bridge, batch, targets),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_a_sweep_on_the_engine_equals_the_full_forward_sweep(planted, planted_data):
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    full = head_ablation_effects(bridge, batch, means)
+    table = ablation_sweep(InterventionEngine(bridge), batch, means, progress=False)
+    fast = effects_tensor(table, len(batch), bridge.cfg.n_layers, bridge.cfg.n_heads)
+    torch.testing.assert_close(fast, full, atol=1e-5, rtol=0)
+    assert full.abs().max() > 0.1  # the planted deciders move the margin
+
+
+def test_a_hook_the_engine_cannot_apply_runs_on_the_full_forward_with_a_warning(
+    planted, planted_data
+):
+    bridge, _ = planted
+    batch = planted_data["batch"]
+
+    def resid_hooks(b):
+        return [("blocks.0.hook_resid_pre", lambda act, hook: act * 0.5)]
+
+    with pytest.raises(EngineUnsupported, match="hook_z only"):
+        InterventionEngine(bridge).margins(batch, resid_hooks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = chunked_margins(InterventionEngine(bridge), batch, resid_hooks)
+    assert any(issubclass(w.category, EngineFallbackWarning) for w in caught)
+    torch.testing.assert_close(fallback, run_margins(bridge, batch, resid_hooks(batch)))
+
+
+def test_the_event_view_puts_each_event_at_position_zero(planted_data):
+    batch = planted_data["batch"]
+    view = event_view(batch)
+    assert view.tokens.shape == (len(batch), 1)
+    assert view.predict_positions.eq(0).all()
+    rows = torch.arange(len(batch))
+    assert torch.equal(view.tokens[:, 0], batch.tokens[rows, batch.predict_positions])
