@@ -131,6 +131,9 @@ def test_every_intervention_matches_the_full_forward(name):
         full_rows = cache[f"blocks.{layer}.attn.hook_pattern"][rows, :, batch.predict_positions]
         got = engine.event_patterns(batch, layer)
         torch.testing.assert_close(got, full_rows[..., : got.shape[-1]], atol=1e-5, rtol=0)
+        # one event alone, from clean passes that reach further (the example's later events)
+        first = engine.event_patterns(batch.select([0]), layer)
+        torch.testing.assert_close(first[0], got[0, :, : first.shape[-1]], atol=1e-6, rtol=0)
 
 
 def test_bfloat16_engine_matches_the_bfloat16_full_forward():

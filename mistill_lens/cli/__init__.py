@@ -138,6 +138,29 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     print(json.dumps(scores))
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from mistill_lens.benchmarks import sweep_benchmark
+
+    if args.model == "smollm2":
+        from mistill_lens.models.gguf import load_pretrained_gguf
+
+        model, tokenizer = load_pretrained_gguf()
+    else:
+        from mistill_lens.models.checkpoints import load_model
+
+        model, tokenizer = load_model(args.model)
+    result = sweep_benchmark(
+        model,
+        tokenizer,
+        k=args.k,
+        n_examples=args.n_examples,
+        max_events=args.events,
+        loop_heads=args.loop_heads,
+        seed=args.seed,
+    )
+    print(json.dumps({"model": args.model, **result}))
+
+
 def cmd_build_tokenizers(args: argparse.Namespace) -> None:
     from mistill_lens.runs import claim_run_dir
     from mistill_lens.task.build_tokenizers import build_and_save
@@ -393,6 +416,34 @@ def build_parser() -> argparse.ArgumentParser:
     characterize.set_defaults(
         func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out"
     )
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark the intervention engine against the full-forward path (prints one JSON "
+        "object as its last line)",
+    )
+    bench.add_argument("name", choices=["sweep"], help="sweep: every head x every event")
+    bench.add_argument(
+        "--model",
+        default="default",
+        help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (the pretrained base)",
+    )
+    bench.add_argument("--k", type=POSITIVE_INT, default=16, help="candidates per example")
+    bench.add_argument(
+        "--n-examples", type=POSITIVE_INT, default=8, help="held-out examples (default 8)"
+    )
+    bench.add_argument(
+        "--events", type=POSITIVE_INT, default=None, help="at most this many events (default all)"
+    )
+    bench.add_argument(
+        "--loop-heads",
+        type=POSITIVE_INT,
+        default=None,
+        help="time the full-forward loop on this many random heads and scale (default all heads)",
+    )
+    bench.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("examples and heads"))
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bench.set_defaults(func=cmd_bench)
 
     from mistill_lens.cli.distill import add_distill_parsers
 

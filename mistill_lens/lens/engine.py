@@ -527,7 +527,9 @@ class InterventionEngine:
                 visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
                 scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
                 pattern = einops.rearrange(scores.float().softmax(-1), "n k g t -> n (k g) t")
-                out[rows, :, : keys.shape[1]] = pattern.cpu()
+                # the clean pass may reach past this batch's rows (an example's later events)
+                span = min(keys.shape[1], width)
+                out[rows, :, :span] = pattern[..., :span].cpu()
         return out
 
 
