@@ -49,13 +49,17 @@ _API = {
         "run_margins",
         "all_heads",
         "validate_heads",
+        "row_head_ablation_hooks",
     ),
+    "mistill_lens.lens.engine": ("InterventionEngine", "EngineUnsupported", "event_view"),
     "mistill_lens.lens.calibration": ("Calibration", "calibrate", "null_events"),
     "mistill_lens.lens.sweep": (
         "ablation_sweep",
         "ablated_margins",
         "clean_margins",
+        "chunked_margins",
         "effects_tensor",
+        "EngineFallbackWarning",
     ),
     "mistill_lens.lens.circuits": (
         "select_circuit",

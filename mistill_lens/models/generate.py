@@ -21,6 +21,12 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 
+def model_device(model) -> torch.device:
+    """Where the model's weights are (the CPU for a model without parameters)."""
+    weight = next(iter(model.parameters()), None)
+    return weight.device if weight is not None else torch.device("cpu")
+
+
 def _is_bridge(model) -> bool:
     return not isinstance(model, PreTrainedModel)
 
@@ -99,7 +105,7 @@ def greedy_texts(
                 f"prompt of {len(ids)} tokens does not fit the model's {context}-token context"
             )
     stop = tokenizer.eos_token_id
-    device = next(model.parameters()).device
+    device = model_device(model)
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     texts: list[str] = [""] * len(prompts)
     for first in range(0, len(order), batch_size):

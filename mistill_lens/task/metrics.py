@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.models.generate import greedy_texts
+from mistill_lens.models.generate import greedy_texts, model_device
 from mistill_lens.task.examples import EVENT_KINDS, Example, parse_output
 from mistill_lens.task.icd import Universe, load_universe
 
@@ -115,7 +115,7 @@ def teacher_forced_events(
     totals = {kind: {"n": 0, "acc": 0.0, "loss": 0.0, "margin": 0.0} for kind in EVENT_KINDS}
     for example_id, example in enumerate(examples):
         encoded = events_from_spans(example, tokenizer, example_id)
-        tokens = torch.tensor([encoded.tokens], device=next(model.parameters()).device)
+        tokens = torch.tensor([encoded.tokens], device=model_device(model))
         logits = model(tokens).logits[0].float().cpu()
         for event in encoded.events:
             row = logits[event.predict_position]
