@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mistill_lens import task
 from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
+from mistill_lens.lens.elicitation import carrying_heads, residuals_before
 from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine, event_view
 from mistill_lens.lens.events import events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import (
@@ -217,3 +218,36 @@ def test_the_event_view_puts_each_event_at_position_zero(planted_data):
     assert view.predict_positions.eq(0).all()
     rows = torch.arange(len(batch))
     assert torch.equal(view.tokens[:, 0], batch.tokens[rows, batch.predict_positions])
+
+
+@pytest.mark.parametrize("name", ["gpt2 teacher", "llama grouped kv"])
+def test_early_elicitation_reads_the_same_residuals_on_the_engine(name):
+    model, tokenizer = MODELS[name]()
+    batch = task_batch(tokenizer).of_kind("region")
+    engine = InterventionEngine(model)
+    ks = [1, 2, 5]
+    torch.testing.assert_close(
+        residuals_before(engine, batch, ks), residuals_before(model, batch, ks), atol=1e-4, rtol=0
+    )
+    means = means_from_events(model, batch)
+
+    def ablate_early(b):  # the head mean-ablated where the rows are read (r - k)
+        classes = torch.full(b.tokens.shape, -1, dtype=torch.long)
+        classes[torch.arange(len(b)), b.predict_positions] = means.class_names.index("region")
+        return mean_ablation_hooks(model, [(0, 1)], means, classes)
+
+    ablated = residuals_before(model, batch, [2], ablate_early)
+    torch.testing.assert_close(
+        residuals_before(engine, batch, [2], ablate_early), ablated, atol=1e-4, rtol=0
+    )
+    clean = residuals_before(model, batch, [2])
+    assert (ablated[0, -1] - clean[0, -1]).abs().max() > 1e-3  # the ablation moves the residual
+    assert (ablated[0, 0] - clean[0, 0]).abs().max() == 0  # but not before its layer
+    # the carrying-heads measure runs on the engine (equal to the full forward, NaN included)
+    torch.testing.assert_close(
+        carrying_heads(engine, batch, k=2, stage=model.cfg.n_layers),
+        carrying_heads(model, batch, k=2, stage=model.cfg.n_layers),
+        atol=1e-3,
+        rtol=1e-3,
+        equal_nan=True,
+    )

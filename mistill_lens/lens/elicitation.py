@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import einops
 import pandas as pd
@@ -20,6 +20,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
+from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.hooks import (
     Head,
@@ -49,13 +50,35 @@ def early_positions(
     return positions.clamp(min=0), positions >= 0
 
 
+def at_positions(batch: EventBatch, positions: Int[Tensor, "event"]) -> EventBatch:
+    """The rows of `batch` read at `positions` instead of their predicting positions (earlier
+    positions of the same contexts)."""
+    return EventBatch(batch.tokens, positions, batch.chosen, batch.contrast, batch.events)
+
+
 @torch.no_grad()
 def residuals_before(
-    model, batch: EventBatch, ks: Sequence[int] = DEFAULT_KS, extra_hooks: Sequence[HookPair] = ()
+    model,
+    batch: EventBatch,
+    ks: Sequence[int] = DEFAULT_KS,
+    hooks_for: Callable[[EventBatch], Sequence[HookPair]] | None = None,
 ) -> Float[Tensor, "k stage event d_model"]:
     """Residual stream at r - k for every k and stage, from one forward pass (rows with r - k < 0
-    hold position 0: mask them with `early_positions`)."""
+    hold position 0: mask them with `early_positions`). `hooks_for(b)` builds hooks for the rows
+    read at r - k (``b.predict_positions`` is r - k); on an InterventionEngine, single-position
+    recomputations instead of the forward."""
     positions, _ = early_positions(batch, ks)
+    if isinstance(model, InterventionEngine):
+        # every k in one call: each example's clean pass is then made once, for all its positions
+        every_k = EventBatch(
+            batch.tokens.repeat(len(ks), 1),
+            positions.flatten(),
+            batch.chosen.repeat(len(ks)),
+            batch.contrast.repeat(len(ks), 1),
+            list(batch.events) * len(ks),
+        )
+        residuals = model.residuals(every_k, hooks_for)
+        return einops.rearrange(residuals, "s (k e) d -> k s e d", k=len(ks))
     stages = residual_stages(model)
     rows = torch.arange(len(batch))
     store: dict[str, Tensor] = {}
@@ -69,6 +92,11 @@ def residuals_before(
 
         return hook
 
+    extra_hooks = []
+    if hooks_for is not None:
+        if len(positions) != 1:
+            raise ValueError("hooks_for reads one k at a time (the hooks act at r - k)")
+        extra_hooks = list(hooks_for(at_positions(batch, positions[0])))
     model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *[(s, keep(s)) for s in stages]])
     return einops.rearrange(torch.stack([store[s] for s in stages]), "s k e d -> k s e d")
 
@@ -243,6 +271,12 @@ def carrying_heads(
     position_class[torch.arange(len(sub)), positions] = 0
     means = compute_head_means(model, sub.tokens, position_class, ("early",))
     clean = residuals_before(model, sub, [k])[0, stage]
+
+    def early_class(b: EventBatch) -> Tensor:  # class 0 at the rows' read positions (r - k)
+        classes = torch.full(b.tokens.shape, -1, dtype=torch.long)
+        classes[torch.arange(len(b)), b.predict_positions] = 0
+        return classes
+
     probe = train_probe(clean[train], sub.chosen[train])
     held = ~train
     clean_margin = probe.margins(clean[held], sub.chosen[held])
@@ -250,8 +284,12 @@ def carrying_heads(
     drops = torch.zeros(model.cfg.n_layers, model.cfg.n_heads)
     # stage s is the residual before layer s: heads in layers >= s cannot move it
     for layer, head in [(l, h) for l, h in all_heads(model) if l < stage]:
-        hooks = mean_ablation_hooks(model, [(layer, head)], means, position_class)
-        ablated = residuals_before(model, sub, [k], extra_hooks=hooks)[0, stage]
+        ablated = residuals_before(
+            model,
+            sub,
+            [k],
+            lambda b, head=(layer, head): mean_ablation_hooks(model, [head], means, early_class(b)),
+        )[0, stage]
         margin = probe.margins(ablated[held], sub.chosen[held])
         drops[layer, head] = (clean_margin[finite] - margin[finite]).mean()
     return drops

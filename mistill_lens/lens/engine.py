@@ -368,10 +368,14 @@ class InterventionEngine:
         start: int,
         layer_hooks: dict[int, list[Callable]],
         z_leaves: dict[int, Tensor] | None = None,
-    ) -> Float[Tensor, "n vocab"]:
+        residuals: list[Tensor] | None = None,
+        stop: int | None = None,
+    ) -> Float[Tensor, "n vocab"] | None:
         """Logits at `n` events (row `rows` of each group is slot `slots` of its example's clean
         pass), recomputed from layer `start` with `layer_hooks[l]` applied to hook_z
-        [n, 1, head, d_head]; `z_leaves[l]` is added to hook_z (for gradients)."""
+        [n, 1, head, d_head]; `z_leaves[l]` is added to hook_z (for gradients). `residuals`
+        collects the residual entering each layer from `start` on, then the last layer's output;
+        with `stop`, layers from `stop` on are not run and nothing is returned."""
         family = self.family
         first = groups[0][0].resid
         x = torch.empty(n, first.shape[-1], dtype=first.dtype, device=first.device)
@@ -379,7 +383,9 @@ class InterventionEngine:
         for cache, rows, slots in groups:
             x[rows] = cache.resid[start, slots]
             positions[rows] = torch.tensor(cache.positions, device=first.device)[slots]
-        for layer in range(start, self.n_layers):
+        for layer in range(start, self.n_layers if stop is None else stop):
+            if residuals is not None:
+                residuals.append(x)
             q, k, v = family.qkv(layer, x, positions)
             scale = family.scaling(layer)
             groups_per_kv = self.n_heads // k.shape[1]
@@ -413,6 +419,10 @@ class InterventionEngine:
                         )
                 z = act[:, 0]
             x = family.mlp_block(layer, x + family.attn_out(layer, z))
+        if stop is not None:
+            return None
+        if residuals is not None:
+            residuals.append(x)
         return family.unembed(x)
 
     def margins(
@@ -458,6 +468,34 @@ class InterventionEngine:
                 logits = self._run(self._groups(sub), len(sub), layer, self._layer_hooks(hooks))
                 margins[rows.start : rows.stop] = _margins(logits.float(), view)
         return margins.view(len(heads), n)
+
+    def residuals(
+        self,
+        batch: EventBatch,
+        hooks_for: Callable[[EventBatch], Sequence[HookPair]] | None = None,
+        stages: int | None = None,
+    ) -> Float[Tensor, "stage event d_model"]:
+        """The residual stream at each row's predicting position before every layer and after
+        the last (`resid_pre` 0..L-1, then `resid_post` L-1), with `hooks_for(view)`'s hooks
+        applied; `stages` keeps only the first that many."""
+        stages = self.n_layers + 1 if stages is None else stages
+        out = []
+        with torch.no_grad():
+            for rows in row_chunks(len(batch), self.chunk):
+                sub = batch.select(list(rows))
+                groups = self._groups(sub)
+                layer_hooks = self._layer_hooks(hooks_for(event_view(sub)) if hooks_for else [])
+                start = min(min(layer_hooks, default=stages), self.n_layers - 1)
+                clean = torch.empty(start, len(sub), groups[0][0].resid.shape[-1])
+                for cache, group_rows, slots in groups:
+                    clean[:, group_rows] = cache.resid[:start, slots].float().cpu()
+                recomputed: list[Tensor] = []
+                if start < stages:
+                    stop = None if stages > self.n_layers else stages
+                    self._run(groups, len(sub), start, layer_hooks, residuals=recomputed, stop=stop)
+                later = [r.float().cpu() for r in recomputed]
+                out.append(torch.cat([clean, *(r[None] for r in later)])[:stages])
+        return torch.cat(out, dim=1)
 
     def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, list[Callable]]:
         check_hook_names(self.model, [name for name, _ in hooks])
