@@ -52,12 +52,12 @@ def sweep_benchmark(
     the events' own class means (the benchmark measures cost and agreement, not a finding)."""
     context = context or model.cfg.n_ctx
     batch, encoded = _events(tokenizer, k, n_examples, max_events, seed, context)
-    means = means_from_events(model, batch)
     heads = all_heads(model)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
 
     started = time.perf_counter()
     engine = InterventionEngine(model)
+    means = means_from_events(engine, batch)
     fast_table = ablation_sweep(engine, batch, means, heads=heads, progress=False)
     engine_s = time.perf_counter() - started
 

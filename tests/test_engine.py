@@ -79,6 +79,10 @@ def test_every_intervention_matches_the_full_forward(name):
     batch = task_batch(tokenizer)
     means = means_from_events(model, batch)
     engine = InterventionEngine(model)
+    engine_means = means_from_events(engine, batch)
+    torch.testing.assert_close(engine_means.means, means.means, atol=1e-5, rtol=0)
+    assert engine_means.class_names == means.class_names
+    assert torch.equal(engine_means.counts, means.counts)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     heads = [(0, 1), (n_layers - 1, n_heads - 1), (1, 0)]
     sources = torch.arange(len(batch)).flip(0)

@@ -412,6 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="recompute sweep tables in --out that were computed from other inputs (model, "
         "examples, reference means) instead of refusing to resume them",
     )
+    characterize.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="shard the exact sweeps' examples over Ray (no ADDRESS: a local instance; needs "
+        "pip install 'mistill_lens[ray]')",
+    )
+    characterize.add_argument(
+        "--shards", type=POSITIVE_INT, default=2, help="Ray tasks per sweep with --ray (default 2)"
+    )
     _add_task_options(characterize, defaults_from_model=True)
     characterize.set_defaults(
         func=cmd_characterize, resume_hint="the sweep rows done so far are kept in --out"

@@ -24,6 +24,8 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         sweep_top=args.sweep_top,
         progress=not args.no_progress,
         stale="recompute" if args.recompute else "error",
+        ray=args.ray,
+        shards=args.shards,
     )
     return replace(config, **overrides)
 

@@ -61,6 +61,7 @@ from mistill_lens.lens.hooks import (
     attribution_scores,
     means_from_events,
 )
+from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
     EngineFallbackWarning,
     ablation_sweep,
@@ -118,6 +119,10 @@ class CharacterizeConfig:
     # forward per intervention (the reference path). A model the engine does not support falls
     # back to the full forward with a recorded warning.
     engine: bool = True
+    # Shard the exact sweeps' examples over Ray: "local" starts a local instance, any other value
+    # is a cluster address; None runs them in this process.
+    ray: str | None = None
+    shards: int = 2
 
     def __post_init__(self):
         check_options(
@@ -125,6 +130,7 @@ class CharacterizeConfig:
             seed=options.seed,
             null_per_event=options.positive,
             attribution_batch_size=options.positive,
+            shards=options.positive,
             curve_points=options.positive,
             sweep_top=options.positive,
             min_events_per_kind=options.non_negative,
@@ -319,24 +325,31 @@ def _characterize(
         if config.sweep_top is None
         else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
     )
-    sweep = ablation_sweep(
-        model,
-        batch,
-        means,
-        out_dir / "sweep.csv",
-        heads=swept,
-        progress=config.progress,
-        stale=config.stale,
-    )
-    null_sweep = ablation_sweep(
-        model,
-        nulls,
-        means,
-        out_dir / "sweep_null.csv",
-        heads=swept,
-        progress=config.progress,
-        stale=config.stale,
-    )
+
+    def sweep_of(events: EventBatch, name: str) -> pd.DataFrame:
+        if config.ray is not None:  # the examples sharded over Ray tasks, each on the engine
+            return sharded_sweep(
+                model.model if isinstance(model, InterventionEngine) else model,
+                events,
+                means,
+                out_dir / name,
+                heads=swept,
+                shards=config.shards,
+                address=None if config.ray == "local" else config.ray,
+                stale=config.stale,
+            )
+        return ablation_sweep(
+            model,
+            events,
+            means,
+            out_dir / name,
+            heads=swept,
+            progress=config.progress,
+            stale=config.stale,
+        )
+
+    sweep = sweep_of(batch, "sweep.csv")
+    null_sweep = sweep_of(nulls, "sweep_null.csv")
     exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
     null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
     pd.DataFrame(

@@ -240,6 +240,15 @@ class InterventionEngine:
         self.family = _FAMILIES[model_type](self.hf)
         self.n_layers = self.family.n_layers
         self.n_heads = self.family.n_heads
+        # the shape the hook factories read (`model.cfg`), also for a plain Hugging Face model
+        self.cfg = SimpleNamespace(
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            d_head=self.family.d_head,
+            n_ctx=self.hf.config.max_position_embeddings
+            if hasattr(self.hf.config, "max_position_embeddings")
+            else self.hf.config.n_positions,
+        )
         self.cache_bytes = cache_bytes
         self.chunk = chunk
         self._caches: OrderedDict[int, _ExampleCache] = OrderedDict()
@@ -276,29 +285,38 @@ class InterventionEngine:
     def _clean_pass(self, tokens: Tensor, positions: list[int]) -> _ExampleCache:
         family = self.family
         z_at: dict[int, Tensor] = {}
+        resid_at: dict[int, Tensor] = {}
         index = torch.tensor(positions)
 
-        def keep_z(layer):
+        def keep_resid(layer):  # the residual entering the layer
+            def hook(module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                resid_at[layer] = hidden[0, index].detach()
+
+            return hook
+
+        def keep_z(layer):  # the input of the attention's output projection: hook_z, flattened
             def hook(module, args):
                 z_at[layer] = args[0][0, index].detach()
 
             return hook
 
         handles = [
-            family.z_module(layer).register_forward_pre_hook(keep_z(layer))
+            handle
             for layer in range(self.n_layers)
+            for handle in (
+                family.layer(layer).register_forward_pre_hook(keep_resid(layer), with_kwargs=True),
+                family.z_module(layer).register_forward_pre_hook(keep_z(layer)),
+            )
         ]
         try:
             device = next(self.hf.parameters()).device
-            out = self.hf(
-                tokens[None].to(device), use_cache=True, output_hidden_states=True, logits_to_keep=1
-            )
+            out = self.hf(tokens[None].to(device), use_cache=True, logits_to_keep=1)
         finally:
             for handle in handles:
                 handle.remove()
         keys, values = _cache_tensors(out.past_key_values, self.n_layers)
-        hidden = out.hidden_states  # embeddings, then each layer's output (the last after the norm)
-        resid = torch.stack([hidden[layer][0, index] for layer in range(self.n_layers)])
+        resid = torch.stack([resid_at[layer] for layer in range(self.n_layers)])
         z = torch.stack(
             [
                 einops.rearrange(z_at[layer], "e (h d) -> e h d", h=self.n_heads)
@@ -459,7 +477,7 @@ class InterventionEngine:
                 sub = repeated.select(list(rows))
                 view = event_view(sub)
                 hooks = row_head_ablation_hooks(
-                    self.model,
+                    self,
                     layer,
                     row_heads[rows.start : rows.stop],
                     means,
@@ -498,7 +516,8 @@ class InterventionEngine:
         return torch.cat(out, dim=1)
 
     def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, list[Callable]]:
-        check_hook_names(self.model, [name for name, _ in hooks])
+        if hasattr(self.model, "hook_dict"):
+            check_hook_names(self.model, [name for name, _ in hooks])
         layer_hooks: dict[int, list[Callable]] = {}
         for name, fn in hooks:
             match = _Z_NAME.match(name)
@@ -506,7 +525,10 @@ class InterventionEngine:
                 raise EngineUnsupported(
                     f"the engine applies hooks on blocks.L.attn.hook_z only, not {name!r}"
                 )
-            layer_hooks.setdefault(int(match.group(1)), []).append(fn)
+            layer = int(match.group(1))
+            if layer >= self.n_layers:
+                raise KeyError(f"unknown hook name {name!r}: the model has {self.n_layers} layers")
+            layer_hooks.setdefault(layer, []).append(fn)
         return layer_hooks
 
     def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]:

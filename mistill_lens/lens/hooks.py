@@ -191,6 +191,18 @@ def means_from_events(
     """Reference means at the predicting positions of `batch`'s events, one class per event kind
     (default classes: `position_class_names` of the batch's kinds)."""
     names = position_class_names(batch.kinds) if class_names is None else tuple(class_names)
+    from mistill_lens.lens.engine import InterventionEngine  # the engine builds on this module
+
+    if isinstance(model, InterventionEngine):  # hook_z at the events from the clean passes
+        missing = sorted(set(batch.kinds) - set(names))
+        if missing:
+            raise KeyError(f"event kinds {missing} have no position class among {list(names)}")
+        classes = torch.tensor([names.index(kind) for kind in batch.kinds])
+        one_hot = torch.nn.functional.one_hot(classes, len(names)).double()
+        sums = einops.einsum(one_hot, model.event_z(batch).double(), "e c, l e h d -> c l h d")
+        counts = one_hot.sum(dim=0).long()
+        means = sums / counts.clamp(min=1).double().view(-1, 1, 1, 1)
+        return HeadMeans(names, means.to(torch.float32), counts)
     return compute_head_means(model, batch.tokens, event_position_classes(batch, names), names)
 
 
