@@ -17,7 +17,7 @@ from mistill_lens import task
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import all_heads, means_from_events
-from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
+from mistill_lens.lens.sweep import ablated_margins, ablation_sweep, clean_margins, effects_tensor
 
 
 def _events(tokenizer, k: int, n_examples: int, max_events: int | None, seed: int, context: int):
@@ -44,6 +44,7 @@ def sweep_benchmark(
     loop_heads: int | None = None,
     seed: int = 0,
     context: int | None = None,
+    loop_batch: int = 8,
 ) -> dict[str, Any]:
     """Exact single-head mean-ablation sweep of every head over the events of `n_examples`
     held-out examples at `k` candidates: the engine against the per-head full-forward loop (the
@@ -62,13 +63,21 @@ def sweep_benchmark(
     engine_s = time.perf_counter() - started
 
     timed = heads if loop_heads is None else sorted(random.Random(seed).sample(heads, loop_heads))
+    # the loop: clean margins once, then one full forward per head over the event rows (rows in
+    # chunks of `loop_batch`, which bounds its [rows, head, T, T] attention patterns)
     started = time.perf_counter()
-    loop_table = ablation_sweep(model, batch, means, heads=timed, progress=False)
-    loop_timed_s = time.perf_counter() - started
-    loop_s = loop_timed_s * len(heads) / len(timed)
+    clean = clean_margins(model, batch, batch_size=loop_batch)
+    clean_s = time.perf_counter() - started
+    started = time.perf_counter()
+    loop = torch.full((len(batch), n_layers, n_heads), torch.nan)
+    for layer, head in timed:
+        loop[:, layer, head] = clean - ablated_margins(
+            model, batch, means, [(layer, head)], batch_size=loop_batch
+        )
+    per_head_s = (time.perf_counter() - started) / len(timed)
+    loop_s = clean_s + per_head_s * len(heads)
 
     fast = effects_tensor(fast_table, len(batch), n_layers, n_heads)
-    loop = effects_tensor(loop_table, len(batch), n_layers, n_heads)
     swept = ~torch.isnan(loop)
     return {
         "bench": "sweep",
@@ -77,7 +86,8 @@ def sweep_benchmark(
         "engine_s": round(engine_s, 2),
         "loop_s": round(loop_s, 2),
         "loop_scaled_from_heads": len(timed),
-        "loop_timed_s": round(loop_timed_s, 2),
+        "loop_clean_s": round(clean_s, 2),
+        "loop_per_head_s": round(per_head_s, 2),
         "heads": len(heads),
         "events": len(batch),
         "examples": len({e.example_id for e in batch.events}),
@@ -90,3 +100,107 @@ def sweep_benchmark(
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
+
+
+def _scaling_point(mode: str, k: int, seed: int, loop_heads: int) -> dict[str, Any]:
+    """One (mode, K) measurement in this process: seconds and peak resident memory."""
+    import resource
+
+    model, tokenizer = scaling_model(seed)
+    batch, encoded = _events(tokenizer, k, 1, None, seed, model.cfg.n_ctx)
+    heads = all_heads(model)
+    started = time.perf_counter()
+    if mode == "engine":
+        engine = InterventionEngine(model)
+        ablation_sweep(engine, batch, means_from_events(engine, batch), heads=heads, progress=False)
+        swept = len(heads)
+    else:
+        means = means_from_events(model, batch)
+        timed = sorted(random.Random(seed).sample(heads, min(loop_heads, len(heads))))
+        ablation_sweep(model, batch, means, heads=timed, progress=False, batch_size=1)
+        swept = len(timed)
+    seconds = time.perf_counter() - started
+    return {
+        "mode": mode,
+        "k": k,
+        "tokens": len(encoded[0].tokens),
+        "events": len(batch),
+        "seconds_all_heads": round(seconds * len(heads) / swept, 2),
+        "heads_timed": swept,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def scaling_model(seed: int = 0):
+    """A random-weight Llama of the shipped teacher's shape (4 layers x 4 heads, d_model 128)
+    with rotary positions up to 131,072 tokens, bridged: what the scaling benchmark measures
+    (timing and memory do not depend on the weights' values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mistill_lens.models.checkpoints import to_bridge
+    from mistill_lens.models.tokenizers import student_tokenizer
+
+    tokenizer = student_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=131072,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    return to_bridge(hf, tokenizer, name="scaling-llama"), tokenizer
+
+
+def scaling_benchmark(
+    ks: tuple[int, ...] = (16, 64, 256, 1024, 5651),
+    loop_max_k: int = 256,
+    loop_heads: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Engine and full-forward sweep time and peak memory of one example per K (each point in a
+    fresh process, so peaks do not carry over), and the fitted growth exponents (log-log slope
+    of seconds and of memory above the smallest K's, against context tokens). The loop runs up to
+    `loop_max_k` (beyond, its [T, T] patterns per event row do not fit), on `loop_heads` random
+    heads scaled to all."""
+    import multiprocessing
+
+    jobs = [("engine", k) for k in ks] + [("loop", k) for k in ks if k <= loop_max_k]
+    context = multiprocessing.get_context("spawn")
+    points = []
+    for mode, k in jobs:
+        with context.Pool(1) as pool:
+            points.append(pool.apply(_scaling_point, (mode, k, seed, loop_heads)))
+
+    result: dict[str, Any] = {"bench": "scaling", "model": "random Llama, 4 x 4 heads, d 128"}
+    for mode in ("engine", "loop"):
+        rows = [p for p in points if p["mode"] == mode]
+        tokens = [r["tokens"] for r in rows]
+        result[f"{mode}_time_exponent"] = loglog_slope(
+            tokens, [r["seconds_all_heads"] for r in rows]
+        )
+        # memory above the smallest K's peak (the interpreter, torch and the model)
+        result[f"{mode}_memory_exponent"] = loglog_slope(
+            tokens[1:], [r["peak_rss_mib"] - rows[0]["peak_rss_mib"] for r in rows[1:]]
+        )
+    result["points"] = points
+    result["seed"] = seed
+    return result
+
+
+def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log(y) on log(x) over the positive pairs: the growth exponent."""
+    import math
+
+    pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pairs) < 2:
+        return None
+    mean_x = sum(x for x, _ in pairs) / len(pairs)
+    mean_y = sum(y for _, y in pairs) / len(pairs)
+    spread = sum((x - mean_x) ** 2 for x, _ in pairs)
+    if spread == 0:
+        return None
+    return round(sum((x - mean_x) * (y - mean_y) for x, y in pairs) / spread, 2)

@@ -139,8 +139,18 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from mistill_lens.benchmarks import sweep_benchmark
+    from mistill_lens.benchmarks import scaling_benchmark, sweep_benchmark
 
+    if args.name == "scaling":
+        try:
+            ks = tuple(int(k) for k in args.ks.split(","))
+        except ValueError:
+            raise ValueError(f"--ks takes comma-separated integers, got {args.ks!r}") from None
+        result = scaling_benchmark(
+            ks, loop_max_k=args.loop_max_k, loop_heads=args.loop_heads or 1, seed=args.seed
+        )
+        print(json.dumps(result))
+        return
     if args.model == "smollm2":
         from mistill_lens.models.gguf import load_pretrained_gguf
 
@@ -434,7 +444,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark the intervention engine against the full-forward path (prints one JSON "
         "object as its last line)",
     )
-    bench.add_argument("name", choices=["sweep"], help="sweep: every head x every event")
+    bench.add_argument(
+        "name",
+        choices=["sweep", "scaling"],
+        help="sweep: every head x every event on --model; scaling: engine and loop time and "
+        "memory against K on a random Llama of the teacher's shape",
+    )
+    bench.add_argument(
+        "--ks",
+        default="16,64,256,1024,5651",
+        help="scaling: the K values (default 16,64,256,1024,5651)",
+    )
+    bench.add_argument(
+        "--loop-max-k", type=POSITIVE_INT, default=256, help="scaling: largest K for the loop"
+    )
     bench.add_argument(
         "--model",
         default="default",
