@@ -1,0 +1,29 @@
+"""Smoke runs of the benchmarks: they run, and their agreement figures hold (timings are printed
+by `mistill-lens bench`, never asserted)."""
+
+from mistill_lens.benchmarks import loglog_slope, scaling_benchmark, sweep_benchmark
+from mistill_lens.models.checkpoints import load_model
+
+
+def test_sweep_benchmark_smoke():
+    model, tokenizer = load_model("checkpoints/base_students/llama")
+    result = sweep_benchmark(model, tokenizer, k=13, n_examples=2, loop_heads=2, seed=0)
+    assert result["max_abs_diff"] <= 1e-4
+    assert result["heads"] == model.cfg.n_layers * model.cfg.n_heads
+    assert result["loop_scaled_from_heads"] == 2 and result["events"] > 0
+    assert result["engine_s"] > 0 and result["loop_s"] > 0
+
+
+def test_scaling_benchmark_smoke():
+    result = scaling_benchmark(ks=(13, 16), loop_max_k=13, seed=0)
+    modes = [(p["mode"], p["k"]) for p in result["points"]]
+    assert modes == [("engine", 13), ("engine", 16), ("loop", 13)]
+    assert result["points"][1]["tokens"] > result["points"][0]["tokens"]
+    assert result["engine_time_exponent"] is not None
+
+
+def test_loglog_slope_recovers_a_power_law():
+    xs = [100, 200, 400, 800]
+    assert loglog_slope(xs, [3 * x**2 for x in xs]) == 2.0
+    assert loglog_slope(xs, [5 * x for x in xs]) == 1.0
+    assert loglog_slope([100], [1]) is None
