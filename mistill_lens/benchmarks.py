@@ -204,3 +204,39 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
     if spread == 0:
         return None
     return round(sum((x - mean_x) * (y - mean_y) for x, y in pairs) / spread, 2)
+
+
+def attribution_benchmark(
+    model, tokenizer, *, k: int, n_examples: int, max_events: int | None = None, seed: int = 0
+) -> dict[str, Any]:
+    """Attribution on the engine: its cost in forward-equivalents of the clean passes (all heads,
+    all events), and its Spearman rank correlation with the exact engine sweep."""
+    from mistill_lens.lens.characterize import rank_correlation
+
+    batch, encoded = _events(tokenizer, k, n_examples, max_events, seed, model.cfg.n_ctx)
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    engine = InterventionEngine(model)
+    started = time.perf_counter()
+    engine.prepare(batch)
+    clean_s = time.perf_counter() - started
+    means = means_from_events(engine, batch)
+    started = time.perf_counter()
+    scores = engine.attribution(batch, means)
+    attribution_s = time.perf_counter() - started
+    exact = effects_tensor(
+        ablation_sweep(engine, batch, means, progress=False), len(batch), n_layers, n_heads
+    )
+    return {
+        "bench": "attribution",
+        "forward_equivalents": round(attribution_s / clean_s, 3),
+        "rank_correlation": round(rank_correlation(scores, exact), 3),
+        "attribution_s": round(attribution_s, 3),
+        "clean_passes_s": round(clean_s, 3),
+        "heads": n_layers * n_heads,
+        "events": len(batch),
+        "examples": len({e.example_id for e in batch.events}),
+        "k": k,
+        "context_tokens_mean": round(sum(len(x.tokens) for x in encoded) / len(encoded), 1),
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+    }

@@ -1,7 +1,12 @@
 """Smoke runs of the benchmarks: they run, and their agreement figures hold (timings are printed
 by `mistill-lens bench`, never asserted)."""
 
-from mistill_lens.benchmarks import loglog_slope, scaling_benchmark, sweep_benchmark
+from mistill_lens.benchmarks import (
+    attribution_benchmark,
+    loglog_slope,
+    scaling_benchmark,
+    sweep_benchmark,
+)
 from mistill_lens.models.checkpoints import load_model
 
 
@@ -27,3 +32,10 @@ def test_loglog_slope_recovers_a_power_law():
     assert loglog_slope(xs, [3 * x**2 for x in xs]) == 2.0
     assert loglog_slope(xs, [5 * x for x in xs]) == 1.0
     assert loglog_slope([100], [1]) is None
+
+
+def test_attribution_benchmark_smoke():
+    model, tokenizer = load_model("checkpoints/base_students/llama")
+    result = attribution_benchmark(model, tokenizer, k=13, n_examples=2, seed=0)
+    assert -1 <= result["rank_correlation"] <= 1
+    assert result["forward_equivalents"] > 0 and result["events"] > 0

@@ -139,7 +139,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from mistill_lens.benchmarks import scaling_benchmark, sweep_benchmark
+    from mistill_lens.benchmarks import attribution_benchmark, scaling_benchmark, sweep_benchmark
 
     if args.name == "scaling":
         try:
@@ -159,6 +159,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from mistill_lens.models.checkpoints import load_model
 
         model, tokenizer = load_model(args.model)
+    if args.name == "attribution":
+        result = attribution_benchmark(
+            model,
+            tokenizer,
+            k=args.k,
+            n_examples=args.n_examples,
+            max_events=args.events,
+            seed=args.seed,
+        )
+        print(json.dumps({"model": args.model, **result}))
+        return
     result = sweep_benchmark(
         model,
         tokenizer,
@@ -446,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["sweep", "scaling"],
-        help="sweep: every head x every event on --model; scaling: engine and loop time and "
+        choices=["sweep", "attribution", "scaling"],
+        help="sweep: every head x every event on --model; attribution: its cost in clean-pass "
+        "equivalents and rank correlation with the sweep; scaling: engine and loop time and "
         "memory against K on a random Llama of the teacher's shape",
     )
     bench.add_argument(
