@@ -6,11 +6,12 @@ import warnings
 import pytest
 import torch
 from conftest import head_ablation_effects
-from planted import DECIDER, WITHIN
+from planted import DECIDER, WITHIN, planted_examples
 from transformer_lens import TransformerBridge
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mistill_lens import task
+from mistill_lens.lens.characterize import CharacterizeConfig, characterize
 from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
 from mistill_lens.lens.elicitation import carrying_heads, residuals_before
 from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine, event_view
@@ -255,3 +256,44 @@ def test_early_elicitation_reads_the_same_residuals_on_the_engine(name):
         rtol=1e-3,
         equal_nan=True,
     )
+
+
+def assert_same_numbers(a, b, path="summary"):
+    """Every number of two nested JSON values agrees to 1e-4; everything else is equal."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for key in a:
+            assert_same_numbers(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_numbers(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-4, nan_ok=True), path
+    else:
+        assert a == b, path
+
+
+def test_the_whole_characterisation_is_the_same_on_the_engine(planted, tmp_path):
+    bridge, tokenizer = planted
+    summaries = {}
+    for engine in (True, False):
+        config = CharacterizeConfig(
+            seed=0, ks=(1, 2, 3), progress=False, elicitation_kind="region", engine=engine
+        )
+        summaries[engine] = characterize(
+            bridge,
+            tokenizer,
+            planted_examples(20, seed=0),
+            planted_examples(40, seed=1),
+            tmp_path / str(engine),
+            config,
+            near_miss_text=lambda example, event: event.chosen if event.kind == "region" else None,
+        )
+        summaries[engine].pop("config")
+    assert summaries[True]["circuit"] == [list(DECIDER), list(WITHIN)]
+    # heads tied at (near) zero effect are ranked by float noise: compare the leaders only
+    engine_top, full_top = summaries[True].pop("top_heads"), summaries[False].pop("top_heads")
+    for kind in full_top:
+        assert engine_top[kind][0] == pytest.approx(full_top[kind][0], abs=1e-4)
+    assert_same_numbers(summaries[True], summaries[False])

@@ -443,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pip install 'mistill_lens[ray]')",
     )
     characterize.add_argument(
+        "--no-engine",
+        action="store_true",
+        help="run every intervention as a full forward (the reference path; slow) instead of on "
+        "the intervention engine",
+    )
+    characterize.add_argument(
         "--shards", type=POSITIVE_INT, default=2, help="Ray tasks per sweep with --ray (default 2)"
     )
     _add_task_options(characterize, defaults_from_model=True)

@@ -26,6 +26,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         stale="recompute" if args.recompute else "error",
         ray=args.ray,
         shards=args.shards,
+        engine=not args.no_engine,
     )
     return replace(config, **overrides)
 
