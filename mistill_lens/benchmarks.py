@@ -240,3 +240,95 @@ def attribution_benchmark(
         "seed": seed,
         "threads": torch.get_num_threads(),
     }
+
+
+def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, seed: int) -> dict:
+    """Seconds per optimiser step and peak resident memory of one objective, in this process."""
+    import resource
+
+    from mistill_lens.distill.attention import collate_items
+    from mistill_lens.distill.training import (
+        DistillConfig,
+        distillation_items,
+        initial_student,
+        student_losses,
+    )
+    from mistill_lens.models.checkpoints import load_model, to_bridge
+    from mistill_lens.models.students import autocast, context_length, family_tokenizer
+    from mistill_lens.training.loop import make_optimizer, output_loss
+
+    torch.manual_seed(seed)
+    teacher, teacher_tokenizer = load_model("default")
+    # the teacher's last layer as the supervised head set: a cost benchmark, not a finding
+    last = teacher.cfg.n_layers - 1
+    heads_by_kind = {
+        kind: [(last, h) for h in range(teacher.cfg.n_heads)]
+        for kind in ("region", "within", "near_miss")
+    }
+    config = DistillConfig(family=family, objective="mistill", seed=seed, batch_size=batch_size)
+    student = initial_student(config)
+    tokenizer = family_tokenizer(family)
+    examples = task.generate_examples(batch_size * steps, seed, "train", k=4, max_mentions=1)
+    items, _ = distillation_items(
+        examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, context_length(student)
+    )
+    bridge = to_bridge(student, tokenizer)
+    bridge.train()
+    heads = config.student_heads(
+        (teacher.cfg.n_layers, teacher.cfg.n_heads),
+        [h for hs in heads_by_kind.values() for h in hs],
+    )
+    parameters = [p for p in student.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config, parameters)
+    batches = [
+        collate_items(items[i : i + batch_size], tokenizer.pad_token_id)
+        for i in range(0, len(items), batch_size)
+    ]
+    times = []
+    for index, batch in enumerate(batches):
+        started = time.perf_counter()
+        if mode == "cot":  # the plain chain-of-thought step: no hooks, no attention loss
+            with autocast(config.precision):
+                loss = output_loss(student, batch.ids, batch.attention, batch.targets)
+        else:
+            cot, attention = student_losses(student, bridge, batch, heads, config.precision)
+            loss = cot + config.effective_weight * attention
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if index > 0:  # the first step pays one-off allocations
+            times.append(time.perf_counter() - started)
+    return {
+        "mode": mode,
+        "seconds_per_step": sum(times) / len(times),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "steps_timed": len(times),
+        "events_per_batch": sum(int(b.event_mask.sum()) for b in batches) / len(batches),
+    }
+
+
+def distill_step_benchmark(
+    family: str = "llama", steps: int = 6, batch_size: int = 4, seed: int = 0
+) -> dict[str, Any]:
+    """A MISTILL step (chain-of-thought loss + attention supervision at the decision events,
+    through the bridged student's pattern hooks) against a plain CoT step on the same batches,
+    each objective in a fresh process: `time_ratio` and `memory_ratio` (peak resident memory)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    points = {}
+    for mode in ("cot", "mistill"):
+        with context.Pool(1) as pool:
+            points[mode] = pool.apply(_distill_step_point, (mode, family, steps, batch_size, seed))
+    return {
+        "bench": "distill_step",
+        "time_ratio": round(
+            points["mistill"]["seconds_per_step"] / points["cot"]["seconds_per_step"], 3
+        ),
+        "memory_ratio": round(points["mistill"]["peak_rss_mib"] / points["cot"]["peak_rss_mib"], 3),
+        "cot": points["cot"],
+        "mistill": points["mistill"],
+        "family": family,
+        "batch_size": batch_size,
+        "seed": seed,
+    }

@@ -3,6 +3,7 @@ by `mistill-lens bench`, never asserted)."""
 
 from mistill_lens.benchmarks import (
     attribution_benchmark,
+    distill_step_benchmark,
     loglog_slope,
     scaling_benchmark,
     sweep_benchmark,
@@ -39,3 +40,9 @@ def test_attribution_benchmark_smoke():
     result = attribution_benchmark(model, tokenizer, k=13, n_examples=2, seed=0)
     assert -1 <= result["rank_correlation"] <= 1
     assert result["forward_equivalents"] > 0 and result["events"] > 0
+
+
+def test_distill_step_benchmark_smoke():
+    result = distill_step_benchmark("llama", steps=2, batch_size=2, seed=0)
+    assert result["time_ratio"] > 0 and result["memory_ratio"] > 0
+    assert result["mistill"]["events_per_batch"] > 0  # the attention loss had events to supervise

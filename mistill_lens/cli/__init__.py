@@ -139,7 +139,16 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from mistill_lens.benchmarks import attribution_benchmark, scaling_benchmark, sweep_benchmark
+    from mistill_lens.benchmarks import (
+        attribution_benchmark,
+        distill_step_benchmark,
+        scaling_benchmark,
+        sweep_benchmark,
+    )
+
+    if args.name == "distill_step":
+        print(json.dumps(distill_step_benchmark(args.family, seed=args.seed)))
+        return
 
     if args.name == "scaling":
         try:
@@ -463,15 +472,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["sweep", "attribution", "scaling"],
+        choices=["sweep", "attribution", "scaling", "distill_step"],
         help="sweep: every head x every event on --model; attribution: its cost in clean-pass "
         "equivalents and rank correlation with the sweep; scaling: engine and loop time and "
-        "memory against K on a random Llama of the teacher's shape",
+        "memory against K on a random Llama of the teacher's shape; distill_step: a MISTILL step "
+        "against a CoT step (time and memory ratios)",
     )
     bench.add_argument(
         "--ks",
         default="16,64,256,1024,5651",
         help="scaling: the K values (default 16,64,256,1024,5651)",
+    )
+    bench.add_argument(
+        "--family", choices=["llama", "gpt2"], default="llama", help="distill_step: the student"
     )
     bench.add_argument(
         "--loop-max-k", type=POSITIVE_INT, default=256, help="scaling: largest K for the loop"
