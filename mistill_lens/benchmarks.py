@@ -20,6 +20,36 @@ from mistill_lens.lens.hooks import all_heads, means_from_events
 from mistill_lens.lens.sweep import ablated_margins, ablation_sweep, clean_margins, effects_tensor
 
 
+def _tl_patching_seconds(model, batch, rows: int, seed: int) -> dict[str, Any]:
+    """TransformerLens's own per-head patching (`get_act_patch_attn_head_out_all_pos`: one full
+    forward per head, the head's output patched at every position) on `rows` random event rows,
+    scaled to all rows: the cost of the peers' path for a sweep, or why it does not run."""
+    from transformer_lens import patching
+
+    chosen = sorted(random.Random(seed).sample(range(len(batch)), min(rows, len(batch))))
+    started = time.perf_counter()
+    try:
+        for row in chosen:
+            position = int(batch.predict_positions[row])
+            tokens = batch.tokens[row : row + 1, : position + 1]
+            with torch.no_grad():
+                _, cache = model.run_with_cache(tokens)
+            chosen_token, contrast = int(batch.chosen[row]), int(batch.contrast[row, 0])
+            patching.get_act_patch_attn_head_out_all_pos(
+                model,
+                tokens,
+                cache,
+                lambda logits: logits[0, -1, chosen_token] - logits[0, -1, contrast],
+            )
+    except Exception as err:  # a peer's code on our bridge: report, do not fail the benchmark
+        return {"tl_patching": f"did not run: {type(err).__name__}: {err}"[:300]}
+    seconds = time.perf_counter() - started
+    return {
+        "tl_patching_s": round(seconds * len(batch) / len(chosen), 2),
+        "tl_patching_rows_timed": len(chosen),
+    }
+
+
 def _events(tokenizer, k: int, n_examples: int, max_events: int | None, seed: int, context: int):
     examples = task.generate_examples(n_examples, seed, "heldout", k=k, max_mentions=4)
     encoded = [events_from_spans(e, tokenizer, i) for i, e in enumerate(examples)]
@@ -45,6 +75,7 @@ def sweep_benchmark(
     seed: int = 0,
     context: int | None = None,
     loop_batch: int = 8,
+    tl_rows: int = 2,
 ) -> dict[str, Any]:
     """Exact single-head mean-ablation sweep of every head over the events of `n_examples`
     held-out examples at `k` candidates: the engine against the per-head full-forward loop (the
@@ -79,6 +110,7 @@ def sweep_benchmark(
 
     fast = effects_tensor(fast_table, len(batch), n_layers, n_heads)
     swept = ~torch.isnan(loop)
+    tl = _tl_patching_seconds(model, batch, tl_rows, seed)
     return {
         "bench": "sweep",
         "speedup": round(loop_s / engine_s, 1),
@@ -88,6 +120,12 @@ def sweep_benchmark(
         "loop_scaled_from_heads": len(timed),
         "loop_clean_s": round(clean_s, 2),
         "loop_per_head_s": round(per_head_s, 2),
+        **tl,
+        **(
+            {"speedup_vs_tl_patching": round(tl["tl_patching_s"] / engine_s, 1)}
+            if "tl_patching_s" in tl
+            else {}
+        ),
         "heads": len(heads),
         "events": len(batch),
         "examples": len({e.example_id for e in batch.events}),
