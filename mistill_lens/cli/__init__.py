@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-top",
         type=POSITIVE_INT,
         default=None,
-        help="exact-ablate only the N heads with the largest attribution (default: every head; smollm2: 9)",
+        help="exact-ablate only the N heads with the largest attribution (default: every head)",
     )
     characterize.add_argument(
         "--no-progress", action="store_true", help="no progress bars (model loading included)"

@@ -132,13 +132,7 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
             f"SmolLM2 wrote no parsable code in {'the analysed' if not with_events else 'the reference'} "
             "examples: nothing to characterise (see generations.jsonl)"
         )
-    config = _config(
-        args,
-        sweep_top=args.sweep_top
-        if args.sweep_top is not None
-        else zero_shot.SMOLLM2_DEFAULT_SWEEP_TOP,
-        curve_points=zero_shot.SMOLLM2_CURVE_POINTS,
-    )
+    config = _config(args)
     provenance = {
         "command": _command(),
         "model": "smollm2",

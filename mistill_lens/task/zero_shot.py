@@ -53,14 +53,12 @@ _ANSWER_RE = re.compile(r"^\s*[\"'`*]*(?P<code>[A-Z][0-9][0-9A-Z](?:\.[0-9A-Z]{1
 MAX_NEW_TOKENS = 8
 
 # Task options and pipeline sizes for `characterize --model smollm2`: one condition per note and
-# K = 8 keep the prompt near 210 tokens; 30 layers x 9 heads make every forward count on CPU.
+# K = 8 keep the prompt near 210 tokens (its zero-shot replies are what is characterised).
 SMOLLM2_TASK_DEFAULTS = {"k": 8, "max_mentions": 1}
 SMOLLM2_DEFAULT_N = 2
 # Reference replies give the means; at least this many, because a kind is only ablated where the
 # reference has an event of that kind, and the model often writes a region without sibling candidates.
 SMOLLM2_MIN_REFERENCE = 4
-SMOLLM2_DEFAULT_SWEEP_TOP = 9
-SMOLLM2_CURVE_POINTS = 2
 
 
 @dataclass(frozen=True)
