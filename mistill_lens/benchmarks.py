@@ -171,7 +171,7 @@ def _scaling_point(mode: str, k: int, seed: int, loop_heads: int) -> dict[str, A
 
 def scaling_model(seed: int = 0):
     """A random-weight Llama of the shipped teacher's shape (4 layers x 4 heads, d_model 128)
-    with rotary positions up to 131,072 tokens, bridged: what the scaling benchmark measures
+    with rotary positions up to 262,144 tokens, bridged: what the scaling benchmark measures
     (timing and memory do not depend on the weights' values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -187,7 +187,7 @@ def scaling_model(seed: int = 0):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=131072,
+        max_position_embeddings=262144,
     )
     hf = LlamaForCausalLM(config).eval()
     return to_bridge(hf, tokenizer, name="scaling-llama"), tokenizer
