@@ -139,56 +139,36 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from mistill_lens.benchmarks import (
-        attribution_benchmark,
-        distill_step_benchmark,
-        scaling_benchmark,
-        sweep_benchmark,
-    )
+    from mistill_lens import benchmarks
 
     if args.name == "distill_step":
-        print(json.dumps(distill_step_benchmark(args.family, seed=args.seed)))
-        return
-
-    if args.name == "scaling":
+        result = benchmarks.distill_step_benchmark(args.family, seed=args.seed)
+    elif args.name == "scaling":
         try:
             ks = tuple(int(k) for k in args.ks.split(","))
         except ValueError:
             raise ValueError(f"--ks takes comma-separated integers, got {args.ks!r}") from None
-        result = scaling_benchmark(
+        result = benchmarks.scaling_benchmark(
             ks, loop_max_k=args.loop_max_k, loop_heads=args.loop_heads or 1, seed=args.seed
         )
-        print(json.dumps(result))
-        return
-    if args.model == "smollm2":
-        from mistill_lens.models.gguf import load_pretrained_gguf
+    else:  # sweep, attribution: on --model
+        if args.model == "smollm2":
+            from mistill_lens.models.gguf import load_pretrained_gguf
 
-        model, tokenizer = load_pretrained_gguf()
-    else:
-        from mistill_lens.models.checkpoints import load_model
+            model, tokenizer = load_pretrained_gguf()
+        else:
+            from mistill_lens.models.checkpoints import load_model
 
-        model, tokenizer = load_model(args.model)
-    if args.name == "attribution":
-        result = attribution_benchmark(
-            model,
-            tokenizer,
-            k=args.k,
-            n_examples=args.n_examples,
-            max_events=args.events,
-            seed=args.seed,
-        )
-        print(json.dumps({"model": args.model, **result}))
-        return
-    result = sweep_benchmark(
-        model,
-        tokenizer,
-        k=args.k,
-        n_examples=args.n_examples,
-        max_events=args.events,
-        loop_heads=args.loop_heads,
-        seed=args.seed,
-    )
-    print(json.dumps({"model": args.model, **result}))
+            model, tokenizer = load_model(args.model)
+        options = dict(k=args.k, n_examples=args.n_examples, max_events=args.events, seed=args.seed)
+        if args.name == "attribution":
+            result = benchmarks.attribution_benchmark(model, tokenizer, **options)
+        else:
+            result = benchmarks.sweep_benchmark(
+                model, tokenizer, loop_heads=args.loop_heads, **options
+            )
+        result = {"model": args.model, **result}
+    print(json.dumps(result))
 
 
 def cmd_build_tokenizers(args: argparse.Namespace) -> None:
