@@ -260,6 +260,10 @@ class InterventionEngine:
             raise AttributeError(name)
         return getattr(self.model, name)
 
+    def __call__(self, *args, **kwargs):
+        """A full forward of the model (dunder methods are not reached through __getattr__)."""
+        return self.model(*args, **kwargs)
+
     # --- clean passes ----------------------------------------------------------------------
 
     def _contexts(self, batch: EventBatch) -> dict[int, Tensor]:
