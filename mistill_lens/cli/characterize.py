@@ -35,11 +35,12 @@ def _command() -> str:
     return "mistill-lens " + shlex.join(sys.argv[1:])
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, out: str | Path) -> None:
+    """One JSON line: the circuit, and where the files and figures are."""
+    shown = {k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}
+    out = Path(out)
     print(
-        json.dumps(
-            {k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}
-        )
+        json.dumps({**shown, "out": str(out), "head_maps": str(out / "figures" / "head_maps.html")})
     )
 
 
@@ -61,7 +62,7 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     summary = characterize_task(
         bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance
     )
-    _print_summary(summary)
+    _print_summary(summary, args.out)
     return summary
 
 
@@ -86,7 +87,7 @@ def run_examples(args: argparse.Namespace) -> dict:
     summary = characterize(
         bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance=provenance
     )
-    _print_summary(summary)
+    _print_summary(summary, args.out)
     return summary
 
 
@@ -148,5 +149,5 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
     summary = characterize_task(
         bridge, tokenizer, with_events, reference_with_events, out_dir, config, provenance
     )
-    _print_summary(summary)
+    _print_summary(summary, args.out)
     return summary
