@@ -173,23 +173,22 @@ def scaling_model(seed: int = 0):
     """A random-weight Llama of the shipped teacher's shape (4 layers x 4 heads, d_model 128)
     with rotary positions up to 262,144 tokens, bridged: what the scaling benchmark measures
     (timing and memory do not depend on the weights' values)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from mistill_lens.models.checkpoints import to_bridge
+    from mistill_lens.models.students import build_student, student_config
     from mistill_lens.models.tokenizers import student_tokenizer
 
     tokenizer = student_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=262144,
+    config = student_config(
+        "llama",
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        n_kv_head=4,
+        n_ctx=262144,
     )
-    hf = LlamaForCausalLM(config).eval()
+    hf = build_student(config, seed).eval()
     return to_bridge(hf, tokenizer, name="scaling-llama"), tokenizer
 
 

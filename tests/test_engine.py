@@ -8,7 +8,6 @@ import torch
 from conftest import head_ablation_effects
 from planted import DECIDER, WITHIN, planted_examples
 from transformer_lens import TransformerBridge
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from mistill_lens import task
 from mistill_lens.lens.characterize import CharacterizeConfig, characterize
@@ -33,23 +32,24 @@ from mistill_lens.lens.sweep import (
     effects_tensor,
 )
 from mistill_lens.models.checkpoints import load_model
+from mistill_lens.models.students import build_student, student_config
 from mistill_lens.models.tokenizers import student_tokenizer
 
 
 def gqa_llama(dtype=torch.float32):
     """A random Llama with 4 query heads sharing 2 key/value heads, rotary positions."""
     tokenizer = student_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+    config = student_config(
+        "llama",
+        len(tokenizer),
+        tokenizer.eos_token_id,
+        n_layer=3,
+        n_head=4,
+        n_embd=64,
+        n_kv_head=2,
+        n_ctx=2048,
     )
-    hf = LlamaForCausalLM(config).eval()
+    hf = build_student(config, seed=0).eval()
     bridge = TransformerBridge.boot_transformers(
         "gqa-llama", hf_model=hf, tokenizer=tokenizer, device="cpu", dtype=dtype
     )
