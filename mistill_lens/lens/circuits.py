@@ -338,17 +338,15 @@ def attention_mass(
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     mass = torch.zeros(len(batch), n_layers, n_heads)
     for rows in row_chunks(len(batch), batch_size):
+        sub = batch.select(rows)
+        target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
         if isinstance(model, InterventionEngine):  # the event rows alone, no [T, T] pattern
-            sub = batch.select(rows)
-            target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
             for layer in range(n_layers):
                 pattern = model.event_patterns(sub, layer)
                 mass[rows, layer] = torch.einsum(
                     "bhk,bk->bh", pattern, target_mask[:, : pattern.shape[-1]]
                 )
             continue
-        sub = batch.select(rows)
-        target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
         query_rows = {}
 
         def keep_query_row(layer):

@@ -267,15 +267,16 @@ def carrying_heads(
     rows = valid.nonzero().flatten()
     sub = batch.select(rows)
     positions, train = positions[rows], train[rows]
-    position_class = torch.full(sub.tokens.shape, -1, dtype=torch.long)
-    position_class[torch.arange(len(sub)), positions] = 0
-    means = compute_head_means(model, sub.tokens, position_class, ("early",))
-    clean = residuals_before(model, sub, [k])[0, stage]
 
     def early_class(b: EventBatch) -> Tensor:  # class 0 at the rows' read positions (r - k)
         classes = torch.full(b.tokens.shape, -1, dtype=torch.long)
         classes[torch.arange(len(b)), b.predict_positions] = 0
         return classes
+
+    means = compute_head_means(
+        model, sub.tokens, early_class(at_positions(sub, positions)), ("early",)
+    )
+    clean = residuals_before(model, sub, [k])[0, stage]
 
     probe = train_probe(clean[train], sub.chosen[train])
     held = ~train

@@ -82,7 +82,6 @@ class _Family:
 
     n_layers: int
     n_heads: int
-    n_kv: int
     d_head: int
 
     def __init__(self, model: PreTrainedModel):
@@ -119,7 +118,6 @@ class _Llama(_Family):
         config = model.config
         self.n_layers = config.num_hidden_layers
         self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
         self.d_head = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
 
     def layer(self, i):
@@ -158,7 +156,7 @@ class _GPT2(_Family):
         super().__init__(model)
         config = model.config
         self.n_layers = config.n_layer
-        self.n_heads = self.n_kv = config.n_head
+        self.n_heads = config.n_head
         self.d_head = config.n_embd // config.n_head
         if getattr(config, "reorder_and_upcast_attn", False):
             raise EngineUnsupported("GPT-2 with reorder_and_upcast_attn is not supported")
@@ -331,21 +329,16 @@ class InterventionEngine:
 
     def _cache_for(self, example_id: int, context: Tensor, positions: list[int]) -> _ExampleCache:
         cached = self._caches.get(example_id)
-        if (
-            cached is not None
-            and cached.tokens.shape[0] >= context.shape[0]
-            and torch.equal(cached.tokens[: context.shape[0]], context)
-            and set(positions) <= set(cached.positions)
-        ):
-            self._caches.move_to_end(example_id)
-            return cached
+        # a kept pass serves when it covers this context and these positions; when one of the two
+        # contexts extends the other, a new pass covers the longer and every position of both
         if cached is not None and torch.equal(
-            cached.tokens[: min(len(cached.tokens), len(context))],
-            context[: min(len(cached.tokens), len(context))],
+            cached.tokens[: len(context)], context[: len(cached.tokens)]
         ):
-            positions = sorted(set(positions) | set(cached.positions))
-            if cached.tokens.shape[0] > context.shape[0]:
-                context = cached.tokens
+            if len(cached.tokens) >= len(context) and set(positions) <= set(cached.positions):
+                self._caches.move_to_end(example_id)
+                return cached
+            positions = [*positions, *cached.positions]
+            context = max(context, cached.tokens, key=len)
         cache = self._clean_pass(context, sorted(set(positions)))
         self._caches[example_id] = cache
         self._caches.move_to_end(example_id)
@@ -357,12 +350,7 @@ class InterventionEngine:
 
     def prepare(self, batch: EventBatch) -> None:
         """Run (or reuse) the clean pass of every example in `batch`."""
-        contexts = self._contexts(batch)
-        positions: dict[int, set[int]] = {}
-        for row, event in enumerate(batch.events):
-            positions.setdefault(event.example_id, set()).add(int(batch.predict_positions[row]))
-        for example_id, context in contexts.items():
-            self._cache_for(example_id, context, sorted(positions[example_id]))
+        self._groups(batch)
 
     def clear(self) -> None:
         self._caches.clear()
@@ -455,17 +443,7 @@ class InterventionEngine:
     ) -> Float[Tensor, "event"]:
         """Each event's margin with `hooks_for(view)`'s hooks applied, `view` being the
         event-position view of each chunk of rows (see the module docstring)."""
-        margins = torch.empty(len(batch), dtype=torch.float32)
-        with torch.no_grad():
-            for rows in row_chunks(len(batch), chunk or self.chunk):
-                sub = batch.select(list(rows))
-                view = event_view(sub)
-                layer_hooks = self._layer_hooks(hooks_for(view))
-                # without hooks: the clean margin, recomputed through the last layer only
-                start = min(layer_hooks, default=self.n_layers - 1)
-                logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
-                margins[rows.start : rows.stop] = _margins(logits, view)
-        return margins
+        return self._chunked_margins(batch, lambda view, rows: hooks_for(view), chunk)
 
     def layer_sweep(
         self, batch: EventBatch, means, layer: int, heads: Sequence[int]
@@ -473,23 +451,36 @@ class InterventionEngine:
         """Margins with each of `heads` of `layer` mean-ablated alone, at every event: one
         batched recomputation from `layer` for all (head, event) pairs."""
         n = len(batch)
-        repeated = batch.select(torch.arange(n).repeat(len(heads)))
         row_heads = torch.tensor(list(heads)).repeat_interleave(n)
-        margins = torch.empty(len(repeated))
+
+        def hooks_for(view: EventBatch, rows: range) -> list[HookPair]:
+            classes = event_position_classes(view, means.class_names)
+            return row_head_ablation_hooks(
+                self, layer, row_heads[rows.start : rows.stop], means, classes
+            )
+
+        repeated = batch.select(torch.arange(n).repeat(len(heads)))
+        return self._chunked_margins(repeated, hooks_for).view(len(heads), n)
+
+    def _chunked_margins(
+        self,
+        batch: EventBatch,
+        hooks_for: Callable[[EventBatch, range], Sequence[HookPair]],
+        chunk: int | None = None,
+    ) -> Float[Tensor, "event"]:
+        """Margins over `batch` in chunks of rows, `hooks_for(view, rows)` building each chunk's
+        hooks; each chunk is recomputed from its first hooked layer (no hooks: the last layer,
+        which gives the clean margin)."""
+        margins = torch.empty(len(batch), dtype=torch.float32)
         with torch.no_grad():
-            for rows in row_chunks(len(repeated), self.chunk):
-                sub = repeated.select(list(rows))
+            for rows in row_chunks(len(batch), chunk or self.chunk):
+                sub = batch.select(list(rows))
                 view = event_view(sub)
-                hooks = row_head_ablation_hooks(
-                    self,
-                    layer,
-                    row_heads[rows.start : rows.stop],
-                    means,
-                    event_position_classes(view, means.class_names),
-                )
-                logits = self._run(self._groups(sub), len(sub), layer, self._layer_hooks(hooks))
-                margins[rows.start : rows.stop] = _margins(logits.float(), view)
-        return margins.view(len(heads), n)
+                layer_hooks = self._layer_hooks(hooks_for(view, rows))
+                start = min(layer_hooks, default=self.n_layers - 1)
+                logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
+                margins[rows.start : rows.stop] = _margins(logits, view)
+        return margins
 
     def residuals(
         self,
@@ -563,9 +554,7 @@ class InterventionEngine:
                 grads = torch.autograd.grad(
                     _margins(logits, event_view(sub)).sum(), list(leaves.values())
                 )
-            act = torch.empty(self.n_layers, len(sub), self.n_heads, self.family.d_head)
-            for cache, group_rows, slots in groups:
-                act[:, group_rows] = cache.z[:, slots].float().cpu()
+            act = self.event_z(sub)
             mean = einops.rearrange(
                 means.means[class_index[rows.start : rows.stop]].float(), "n l h d -> l n h d"
             )

@@ -181,6 +181,11 @@ def compute_head_means(
         chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")
         sums = chunk if sums is None else sums + chunk
         counts += one_hot.sum(dim=(0, 1)).long()
+    return _class_means(class_names, sums, counts)
+
+
+def _class_means(class_names: Sequence[str], sums: Tensor, counts: Tensor) -> HeadMeans:
+    """HeadMeans from float64 per-class sums [cls, layer, head, d_head] and position counts."""
     means = sums / counts.clamp(min=1).double().view(-1, 1, 1, 1)
     return HeadMeans(tuple(class_names), means.to(torch.float32), counts)
 
@@ -193,25 +198,20 @@ def means_from_events(
     names = position_class_names(batch.kinds) if class_names is None else tuple(class_names)
     from mistill_lens.lens.engine import InterventionEngine  # the engine builds on this module
 
+    position_class = event_position_classes(batch, names)
     if isinstance(model, InterventionEngine):  # hook_z at the events from the clean passes
-        missing = sorted(set(batch.kinds) - set(names))
-        if missing:
-            raise KeyError(f"event kinds {missing} have no position class among {list(names)}")
-        classes = torch.tensor([names.index(kind) for kind in batch.kinds])
+        classes = position_class[torch.arange(len(batch)), batch.predict_positions]
         one_hot = torch.nn.functional.one_hot(classes, len(names)).double()
         sums = einops.einsum(one_hot, model.event_z(batch).double(), "e c, l e h d -> c l h d")
-        counts = one_hot.sum(dim=0).long()
-        means = sums / counts.clamp(min=1).double().view(-1, 1, 1, 1)
-        return HeadMeans(names, means.to(torch.float32), counts)
-    return compute_head_means(model, batch.tokens, event_position_classes(batch, names), names)
+        return _class_means(names, sums, one_hot.sum(dim=0).long())
+    return compute_head_means(model, batch.tokens, position_class, names)
 
 
 # --- mean ablation ---------------------------------------------------------------------------
 
 
-def _mean_ablation_pairs(
-    model, heads: list[Head], means: HeadMeans, position_class: Tensor
-) -> list[HookPair]:
+def _check_means(model, means: HeadMeans, position_class: Tensor) -> None:
+    """The means fit the model, and every class used in `position_class` has a reference mean."""
     n_layers, n_heads = n_layers_heads(model)
     if means.means.shape[1:3] != (n_layers, n_heads):
         raise ValueError(
@@ -224,22 +224,41 @@ def _mean_ablation_pairs(
         means.class_index(
             means.class_names[index]
         )  # raises if that class had no reference positions
+
+
+def _mean_replacement(
+    layer_means: Tensor, heads: Tensor, position_class: Tensor, n_heads: int, what: str
+) -> HookFn:
+    """A hook_z function writing `layer_means` [cls, head, d_head] (class of each position) into
+    the heads `heads` selects: a [head] mask for every row, or a [batch, head] mask per row."""
+    rows_heads = heads if heads.ndim == 2 else heads[None]
+
+    def ablate(act: Tensor, hook) -> Tensor:
+        _check_z(act, n_heads, tuple(position_class.shape), what)
+        replacement = layer_means.to(act.dtype)[
+            position_class.clamp(min=0)
+        ]  # [batch, pos, head, d_head]
+        where = (position_class >= 0)[:, :, None, None] & rows_heads[:, None, :, None]
+        return torch.where(where, replacement, act)
+
+    return ablate
+
+
+def _mean_ablation_pairs(
+    model, heads: list[Head], means: HeadMeans, position_class: Tensor
+) -> list[HookPair]:
+    _check_means(model, means, position_class)
+    n_heads = n_layers_heads(model)[1]
     mask = head_mask(model, heads)
-    pairs = []
-    for layer in sorted({layer for layer, _ in heads}):
-        layer_heads = mask[layer]
-        layer_means = means.means[:, layer]  # [cls, head, d_head]
-
-        def ablate(act: Tensor, hook, layer_heads=layer_heads, layer_means=layer_means) -> Tensor:
-            _check_z(act, n_heads, tuple(position_class.shape), "mean ablation")
-            replacement = layer_means.to(act.dtype)[
-                position_class.clamp(min=0)
-            ]  # [batch, pos, head, d_head]
-            where = (position_class >= 0)[:, :, None, None] & layer_heads[None, None, :, None]
-            return torch.where(where, replacement, act)
-
-        pairs.append((z_hook_name(layer), ablate))
-    return pairs
+    return [
+        (
+            z_hook_name(layer),
+            _mean_replacement(
+                means.means[:, layer], mask[layer], position_class, n_heads, "mean ablation"
+            ),
+        )
+        for layer in sorted({layer for layer, _ in heads})
+    ]
 
 
 def mean_ablation_hooks(
@@ -261,24 +280,22 @@ def row_head_ablation_hooks(
 ) -> list[HookPair]:
     """Mean-ablate head `row_heads[b]` of `layer` in row b (at its classed positions): many
     single-head ablations in one pass, one per row (a sweep over a layer's heads)."""
-    n_layers, n_heads = n_layers_heads(model)
+    n_heads = n_layers_heads(model)[1]
     validate_heads(model, [(layer, int(h)) for h in row_heads.unique()])
     if row_heads.shape[0] != position_class.shape[0]:
         raise ValueError(
             f"{row_heads.shape[0]} row heads for a batch of {position_class.shape[0]} rows"
         )
-    for index in position_class[position_class >= 0].unique().tolist():
-        means.class_index(means.class_names[index])  # raises if that class had no positions
-    layer_means = means.means[:, layer]  # [cls, head, d_head]
-    heads_mask = torch.nn.functional.one_hot(row_heads, n_heads).bool()  # [batch, head]
-
-    def ablate(act: Tensor, hook) -> Tensor:
-        _check_z(act, n_heads, tuple(position_class.shape), "row head ablation")
-        replacement = layer_means.to(act.dtype)[position_class.clamp(min=0)]
-        where = (position_class >= 0)[:, :, None, None] & heads_mask[:, None, :, None]
-        return torch.where(where, replacement, act)
-
-    return [(z_hook_name(layer), ablate)]
+    _check_means(model, means, position_class)
+    heads = torch.nn.functional.one_hot(row_heads, n_heads).bool()  # [batch, head]
+    return [
+        (
+            z_hook_name(layer),
+            _mean_replacement(
+                means.means[:, layer], heads, position_class, n_heads, "row head ablation"
+            ),
+        )
+    ]
 
 
 def ablate_all_but_hooks(

@@ -86,11 +86,11 @@ def sharded_sweep(
     hf = unbridged(model)
     weights = ray.put((type(hf), hf.config, {k: v.detach() for k, v in hf.state_dict().items()}))
     task = ray.remote(num_cpus=1)(_sweep_shard)
+    out_path = Path(out_path) if out_path is not None else None
     pending = []
     for i, rows in enumerate(groups):
         shard_path = None
         if out_path is not None:
-            out_path = Path(out_path)
             shard_path = out_path.with_suffix(f".shard-{i}-of-{len(groups)}{out_path.suffix}")
         pending.append(task.remote(weights, batch.select(rows), means, heads, shard_path, stale))
     frames = []

@@ -67,8 +67,10 @@ def greedy_tokens(
 def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy continuation of ``prompt`` up to end-of-text (special tokens dropped). The prompt is
     encoded on its own, without special tokens, exactly as in training."""
+    if not _is_bridge(model):
+        return greedy_texts(model, tokenizer, [prompt], max_new_tokens)[0]
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    context = model.config.max_position_embeddings if not _is_bridge(model) else model.cfg.n_ctx
+    context = model.cfg.n_ctx
     room = context - ids.shape[1]
     if room <= 0:
         raise ValueError(
