@@ -8,6 +8,8 @@ The notebook surface, one import away::
     batch = ml.make_event_batch(encoded)
     hooks = ml.mean_ablation_hooks(model, [(3, 3)], means, ml.event_position_classes(batch, means.class_names))
     ml.run_margins(model, batch, hooks)
+    found = ml.characterize(model, tokenizer, examples, reference)   # a Characterization
+    found.circuits, found.summary(), ml.write_characterization(found, "runs/mine")
 
 Names load lazily (importing the package stays cheap); ``dir(mistill_lens)`` lists them. The wings:
 ``lens`` (task-free toolkit), ``models``, ``task`` (the ICD task), ``training``, ``distill``, ``cli``.
@@ -18,6 +20,8 @@ from importlib import import_module
 _API = {
     "mistill_lens.models.checkpoints": (
         "load_model",
+        "read_metadata",
+        "resolve",
         "load_hf_model",
         "to_bridge",
         "save_checkpoint",
@@ -80,7 +84,14 @@ _API = {
         "carrying_heads",
         "top_heads",
     ),
-    "mistill_lens.lens.characterize": ("characterize", "CharacterizeConfig"),
+    "mistill_lens.lens.characterize": (
+        "characterize",
+        "CharacterizeConfig",
+        "Characterization",
+        "encode",
+        "reference_means",
+    ),
+    "mistill_lens.lens.outputs": ("write_characterization", "read_characterization"),
     "mistill_lens.lens.examples": ("read_examples", "SpanExample", "SpanEvent"),
     "mistill_lens.lens.plot": (
         "head_map_figure",
@@ -90,6 +101,8 @@ _API = {
         "write_figure",
     ),
     "mistill_lens.task.characterize": ("characterize_task", "task_examples"),
+    "mistill_lens.task.examples": ("generate_examples",),
+    "mistill_lens.distill.teacher": ("teacher_characterization", "teacher_task_config"),
 }
 _WHERE = {name: module for module, names in _API.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -3,6 +3,7 @@ modes, bad input, and the evaluation / report path. Tiny random-init teachers an
 
 import json
 import shutil
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -44,7 +45,8 @@ from mistill_lens.distill.training import (
     initial_student,
     student_losses,
 )
-from mistill_lens.lens.characterize import CharacterizeConfig
+from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.models.checkpoints import (
     CheckpointError,
@@ -531,12 +533,11 @@ def test_causal_recovery_reads_the_characterisation_summary():
 
 
 def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
-    characterization = tmp_path / "characterization"
-    assert median_recovery(characterization) is None  # not characterised
-    characterization.mkdir()
-    (characterization / "summary.json").write_text(json.dumps({"circuit": []}))
-    assert median_recovery(characterization) == 0.0  # no heads selected: carries nothing
-    (characterization / "summary.json").write_text(json.dumps({"circuit": [[1, 0]]}))
+    assert median_recovery(tmp_path / "characterization") is None  # not characterised
+    kinds = ("near_miss", "region")
+    calibration = Calibration(
+        kinds, torch.zeros(2, 2, 2), torch.zeros(2, 2), torch.ones(2, 2), 1e-2, (3, 1), 8
+    )
     events = pd.DataFrame(
         {
             "example_id": [0, 1, 2, 3],
@@ -547,11 +548,34 @@ def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
             "knock_in": [0.2, float("nan"), 0.4, 0.9],
         }
     )
-    events.to_csv(characterization / "events.csv", index=False)
+    found = Characterization(
+        config=CharacterizeConfig(),
+        calibration=calibration,
+        circuits={"near_miss": [(1, 0)], "region": [], "all": [(1, 0)]},
+        attribution=pd.DataFrame(
+            columns=["event_row", "kind", "layer", "head", "attribution", "exact"]
+        ),
+        sweep=pd.DataFrame(),
+        null_sweep=pd.DataFrame(),
+        events=events,
+        families=pd.DataFrame(),
+        ablation_curve=pd.DataFrame(),
+        elicitation={},
+        elicitation_curve=None,
+        n_examples=4,
+        n_events=4,
+        n_null_events=8,
+        n_heads_swept=4,
+    )
     # median necessity 0.4 (the -12 outlier does not drag it), median knock-in 0.3 (NaN skipped)
-    assert median_recovery(characterization) == pytest.approx(0.35)
-    assert median_recovery(characterization, kind="region") == pytest.approx(0.9)
-    assert median_recovery(characterization, kind="within") is None
+    assert found.median_recovery() == pytest.approx(0.35)
+    assert found.median_recovery(kind="region") == pytest.approx(0.9)
+    assert found.median_recovery(kind="within") is None
+    empty = replace(found, circuits={"near_miss": [], "region": [], "all": []}, events=None)
+    assert empty.median_recovery() == 0.0  # no heads selected: carries nothing
+    assert causal_recovery(found.measures())["recovery_ablation"] == pytest.approx(
+        events.necessity[:3].mean()
+    )
 
 
 def test_sign_flip_p_value_known_answers():

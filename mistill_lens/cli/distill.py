@@ -20,54 +20,6 @@ from mistill_lens.cli.arguments import (
 )
 from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
 
-TASK_KEYS = ("universe_size", "k", "max_mentions")
-
-
-def teacher_task_config(teacher_dir: Path) -> dict:
-    from mistill_lens.models.checkpoints import CheckpointError, read_metadata
-
-    if not Path(teacher_dir).is_dir():
-        raise CheckpointError(
-            f"teacher folder {teacher_dir} does not exist (give a checkpoint folder, or 'default')"
-        )
-    config = read_metadata(teacher_dir).get("config", {})
-    missing = [k for k in TASK_KEYS if k not in config]
-    if missing:
-        raise ValueError(
-            f"teacher {teacher_dir} records no task configuration ({missing}) in its mistill.json"
-        )
-    return {k: config[k] for k in TASK_KEYS}
-
-
-def teacher_circuits(
-    teacher,
-    teacher_tokenizer,
-    teacher_dir: Path,
-    task_config: dict,
-    cache_dir: Path,
-    n: int,
-    z_min: float,
-    progress: bool,
-) -> Path:
-    """``heads.json`` of the teacher's characterisation on validation examples (run once, cached;
-    an interrupted one resumes its sweeps)."""
-    from mistill_lens.lens.characterize import CharacterizeConfig
-    from mistill_lens.models.checkpoints import weights_digest
-    from mistill_lens.task.characterize import characterize_task, task_examples
-
-    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
-    if not (out / "summary.json").is_file():  # written last: the characterisation finished
-        examples, reference = task_examples(n, 0, "validation", task_config)
-        characterize_task(
-            teacher,
-            teacher_tokenizer,
-            examples,
-            reference,
-            out,
-            CharacterizeConfig(z_min=z_min, progress=progress),
-        )
-    return out / "heads.json"
-
 
 def student_architecture_options(args: argparse.Namespace) -> dict:
     """Architecture fields of the run: the base student's with --student-init (explicit sizes must
@@ -108,6 +60,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_generations
     from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
+    from mistill_lens.distill.teacher import teacher_characterization, teacher_task_config
     from mistill_lens.distill.training import DistillConfig, distill
     from mistill_lens.models.checkpoints import load_model, resolve, weights_digest
     from mistill_lens.runs import claim_run_dir
@@ -122,10 +75,11 @@ def run_distill(args: argparse.Namespace) -> dict:
     claim_run_dir(cache, "distill-cache")
     progress = not args.no_progress
     teacher, teacher_tokenizer = load_model(teacher_dir)
-    heads_path = (
-        Path(args.teacher_heads)
-        if args.teacher_heads
-        else teacher_circuits(
+    if args.teacher_heads:
+        heads_source = Path(args.teacher_heads)
+        circuits = read_heads_json(heads_source)
+    else:
+        characterization, heads_source = teacher_characterization(
             teacher,
             teacher_tokenizer,
             teacher_dir,
@@ -135,8 +89,8 @@ def run_distill(args: argparse.Namespace) -> dict:
             args.teacher_z_min,
             progress,
         )
-    )
-    heads_by_kind = teacher_head_sets(read_heads_json(heads_path))
+        circuits = characterization.circuits
+    heads_by_kind = teacher_head_sets(circuits)
     examples = teacher_generations(
         teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress
     )
@@ -171,7 +125,7 @@ def run_distill(args: argparse.Namespace) -> dict:
         command=command,
         extra_metadata={
             "teacher_dir": str(teacher_dir),
-            "teacher_heads_file": str(heads_path),
+            "teacher_heads_source": str(heads_source),
             "teacher_events": n_events,
             "task": task_config,
         },

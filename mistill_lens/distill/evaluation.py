@@ -15,14 +15,18 @@ decides no gold event its way has no recovery to measure (None).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
-
-import pandas as pd
+from typing import Mapping
 
 from mistill_lens import task
 from mistill_lens.lens.characterize import CharacterizeConfig
+from mistill_lens.lens.outputs import (
+    SUMMARY,
+    prepare_output,
+    read_characterization,
+    write_characterization,
+)
 from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate
@@ -30,9 +34,10 @@ from mistill_lens.task.metrics import evaluate
 EVALUATION_FILE = "evaluation.json"
 
 
-def causal_recovery(summary: dict, kind: str = "near_miss") -> dict:
-    """Recovery figures of one event kind from a characterisation summary."""
-    measures = summary.get(kind) or {}
+def causal_recovery(measures_by_kind: Mapping[str, dict], kind: str = "near_miss") -> dict:
+    """Recovery figures of one event kind from a characterisation's per-kind measures
+    (:meth:`Characterization.measures`, or the per-kind entries of its summary)."""
+    measures = measures_by_kind.get(kind) or {}
     if not measures.get("n_events"):
         return {
             "causal_recovery": None,
@@ -55,23 +60,11 @@ def causal_recovery(summary: dict, kind: str = "near_miss") -> dict:
 
 
 def median_recovery(characterization_dir: str | Path, kind: str = "near_miss") -> float | None:
-    """(median necessity + median knock-in) / 2 over `kind`'s events, from a characterisation's
-    per-event table (``events.csv``); 0 when it selected no heads, None when it did not finish or
-    decided no such event, as for :func:`causal_recovery`."""
-    characterization_dir = Path(characterization_dir)
-    summary_path = characterization_dir / "summary.json"
-    if not summary_path.is_file():
+    """:meth:`Characterization.median_recovery` of the characterisation written in
+    `characterization_dir`; None when it did not finish."""
+    if not (Path(characterization_dir) / SUMMARY).is_file():
         return None
-    if not json.loads(summary_path.read_text()).get("circuit"):
-        return 0.0
-    events = pd.read_csv(characterization_dir / "events.csv")
-    events = events[events.kind == kind]
-    if events.empty:
-        return None
-    knock_in = (
-        events.knock_in.median()
-    )  # NaN rows (no donor pair) are skipped; none left: 0, as in the mean
-    return float((events.necessity.median() + (0.0 if math.isnan(knock_in) else knock_in)) / 2)
+    return read_characterization(characterization_dir).median_recovery(kind)
 
 
 def evaluate_run(
@@ -102,15 +95,17 @@ def evaluate_run(
         "n_characterize": n_characterize,
         "z_min": config.z_min,
     }
+    out = prepare_output(run_dir / "characterization")
     try:
-        summary = characterize_task(
-            bridge, tokenizer, examples, reference, run_dir / "characterization", config
+        characterization = characterize_task(
+            bridge, tokenizer, examples, reference, config, sweep_dir=out
         )
+        write_characterization(characterization, out)
         result.update(
-            causal_recovery(summary),
-            causal_recovery_median=median_recovery(run_dir / "characterization"),
-            circuit=summary["circuit"],
-            warnings=summary["warnings"],
+            causal_recovery(characterization.measures()),
+            causal_recovery_median=characterization.median_recovery(),
+            circuit=[list(h) for h in characterization.circuit],
+            warnings=characterization.warnings,
         )
     except ValueError as err:  # e.g. the student decides no gold event its way
         result.update(

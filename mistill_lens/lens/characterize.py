@@ -1,20 +1,19 @@
-"""The characterisation pipeline behind `mistill-lens characterize`.
+"""The characterisation pipeline behind `mistill-lens characterize`, as one call that returns a
+:class:`Characterization`.
 
 From a hooked model and task examples with gold events: exact ablation sweeps of every head on
 every decided event and on matched null events, attribution (and its rank correlation with exact
 ablation), null calibration, the circuit per kind and its necessity / sufficiency / knock-in with
-coverage, phase structure, head families, early elicitation and the figures. Everything is a
-deterministic function of the model, the examples and the seed.
+coverage, phase structure, head families, early elicitation. Everything is a deterministic function
+of the model, the examples and the seed.
 
-Files written to the output folder: `sweep.csv`, `sweep_null.csv` (resumable), `attribution.csv`,
-`calibration.csv`, `events.csv` (per-event circuit measures), `families.csv`, `elicitation.csv`,
-`ablation_curve.csv`, `heads.json`, `summary.json` and `figures/*.html`.
+The only files touched are the resumable sweep tables, in `sweep_dir` when one is given;
+:mod:`mistill_lens.lens.outputs` writes a Characterization to a folder and reads it back.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,11 +25,11 @@ from jaxtyping import Float
 from torch import Tensor
 
 from mistill_lens import options
-from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration, calibrate, null_events
 from mistill_lens.lens.circuits import (
     ablation_curve,
     attention_mass,
+    circuit_measures,
     circuit_report,
     family_targets,
     head_families,
@@ -50,7 +49,6 @@ from mistill_lens.lens.events import (
     EventBatch,
     decided_rows,
     events_from_spans,
-    kind_mask,
     make_event_batch,
 )
 from mistill_lens.lens.fingerprint import StaleResultWarning
@@ -69,23 +67,9 @@ from mistill_lens.lens.sweep import (
     effects_tensor,
 )
 from mistill_lens.options import check_options
-from mistill_lens.runs import claim_run_dir, legacy_run
 
 REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
-RUN_KIND = "characterize"
-# Files a characterisation writes: the resumable sweeps, and what each run derives afresh.
-RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
-DERIVED_FILES = (
-    "attribution.csv",
-    "calibration.csv",
-    "events.csv",
-    "families.csv",
-    "elicitation.csv",
-    "ablation_curve.csv",
-    "heads.json",
-    "summary.json",
-    "figures",
-)
+MEASURES = ("necessity", "sufficiency", "knock_in")
 
 
 @dataclass
@@ -174,29 +158,170 @@ def rank_correlation(a: Tensor, b: Tensor) -> float:
     return float(ranks["a"].corr(ranks["b"]))
 
 
-def heads_json(calibration: Calibration, circuits: Mapping[str, list[Head]]) -> dict:
-    def describe(kind: str, heads: list[Head]) -> list[dict]:
-        rows = []
-        for layer, head in heads:
-            entry = {"layer": layer, "head": head}
-            for k in [kind] if kind != "all" else calibration.kinds:
-                i = calibration.kind_index(k)
-                prefix = "" if kind != "all" else f"{k}_"
-                entry.update(
-                    {
-                        f"{prefix}z": float(calibration.z[i, layer, head]),
-                        f"{prefix}above_null": float(calibration.above_null[i, layer, head]),
-                        f"{prefix}raw": float(calibration.raw[i, layer, head]),
-                    }
-                )
-            entry.update(
-                null_mean=float(calibration.null_mean[layer, head]),
-                null_std=float(calibration.null_std[layer, head]),
-            )
-            rows.append(entry)
-        return rows
+@dataclass
+class Characterization:
+    """What a characterisation found, as objects a notebook or the distiller reads directly.
 
-    return {kind: describe(kind, heads) for kind, heads in circuits.items()}
+    Tables (pandas): `attribution` (per decided event x head: attribution and exact effect; exact
+    is NaN for heads not swept), `sweep` / `null_sweep` (the exact sweeps), `events` (per decided
+    event: necessity, sufficiency, knock-in of the circuit; None when the circuit is empty),
+    `families`, `ablation_curve`, `elicitation_curve` (None when skipped). :meth:`summary` is the
+    `summary.json` of the command; :mod:`mistill_lens.lens.outputs` writes and reads all of it."""
+
+    config: CharacterizeConfig
+    calibration: Calibration
+    circuits: dict[str, list[Head]]  # per event kind, ranked by z; "all": their union, sorted
+    attribution: pd.DataFrame
+    sweep: pd.DataFrame
+    null_sweep: pd.DataFrame
+    events: pd.DataFrame | None
+    families: pd.DataFrame
+    ablation_curve: pd.DataFrame
+    elicitation: dict[str, Any]
+    elicitation_curve: pd.DataFrame | None
+    n_examples: int
+    n_events: int  # gold events; the decided ones are the rows of `attribution` per head
+    n_null_events: int
+    n_heads_swept: int
+    warnings: list[str] = field(default_factory=list)
+    provenance: dict[str, Any] = field(default_factory=dict)  # e.g. the command line
+
+    @property
+    def circuit(self) -> list[Head]:
+        return self.circuits["all"]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.calibration.kinds
+
+    @property
+    def n_decided_events(self) -> int:
+        return int(sum(self.calibration.n_events))
+
+    def measures(self) -> dict[str, dict[str, Any]]:
+        """Per kind: necessity, sufficiency and knock-in of the circuit (means over events, None
+        when the circuit is empty), coverage, the kind's event count and circuit."""
+        measured = (
+            circuit_measures(self.events, self.config.thresholds) if self.events is not None else {}
+        )
+        out = {}
+        for kind, n in zip(self.kinds, self.calibration.n_events):
+            out[kind] = {
+                **{m: None for m in MEASURES},
+                "coverage": None,
+                "n_events": n,
+                "circuit": [list(h) for h in self.circuits[kind]],
+            }
+            out[kind].update(measured.get(kind, {}))
+        return out
+
+    def median_recovery(self, kind: str = "near_miss") -> float | None:
+        """(median necessity + median knock-in) / 2 over `kind`'s events: robust to an event whose
+        clean margin is barely positive. 0 when the circuit is empty (it carries nothing), None
+        when no `kind` event was decided."""
+        if not self.circuit:
+            return 0.0
+        rows = self.events[self.events.kind == kind]
+        if rows.empty:
+            return None
+        knock_in = rows.knock_in.median()  # NaN rows (no donor pair) are skipped
+        return float((rows.necessity.median() + (0.0 if math.isnan(knock_in) else knock_in)) / 2)
+
+    def spearman(self) -> dict[str, float]:
+        """Rank correlation of attribution with exact ablation, over all and per kind."""
+
+        def correlation(rows: pd.DataFrame) -> float:
+            return rank_correlation(
+                torch.tensor(rows.attribution.to_numpy()), torch.tensor(rows.exact.to_numpy())
+            )
+
+        frame = self.attribution
+        return {
+            "all": correlation(frame),
+            **{k: correlation(frame[frame.kind == k]) for k in self.kinds},
+        }
+
+    def family_of_circuit_heads(self) -> dict[str, str]:
+        """`"L{layer}H{head}/{kind}"` -> attention family, for the circuit's heads."""
+        if self.families.empty:
+            return {}
+        circuit = set(self.circuit)
+        table = self.families
+        return {
+            f"L{l}H{h}/{k}": family
+            for k, l, h, family in zip(table.kind, table.layer, table["head"], table.family)
+            if (l, h) in circuit
+        }
+
+    def heads_table(self) -> dict[str, list[dict]]:
+        """Per kind (and "all") the circuit's heads with their z, effect above null and raw effect
+        (per kind under "all"), and the head's null mean and std: `heads.json`."""
+        calibration = self.calibration
+
+        def describe(kind: str, heads: list[Head]) -> list[dict]:
+            rows = []
+            for layer, head in heads:
+                entry = {"layer": layer, "head": head}
+                for k in [kind] if kind != "all" else calibration.kinds:
+                    i = calibration.kind_index(k)
+                    prefix = "" if kind != "all" else f"{k}_"
+                    entry.update(
+                        {
+                            f"{prefix}z": float(calibration.z[i, layer, head]),
+                            f"{prefix}above_null": float(calibration.above_null[i, layer, head]),
+                            f"{prefix}raw": float(calibration.raw[i, layer, head]),
+                        }
+                    )
+                entry.update(
+                    null_mean=float(calibration.null_mean[layer, head]),
+                    null_std=float(calibration.null_std[layer, head]),
+                )
+                rows.append(entry)
+            return rows
+
+        return {kind: describe(kind, heads) for kind, heads in self.circuits.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """The key numbers as one JSON-ready dict (`summary.json`): per kind at the top level
+        (`summary["region"]["necessity"]`), then families, elicitation, config and provenance."""
+        calibration = self.calibration
+        n_layers, n_heads = calibration.null_mean.shape
+        summary: dict[str, Any] = {
+            "warnings": list(self.warnings),
+            "circuit_size": len(self.circuit),
+            "n_heads_total": n_layers * n_heads,
+            "n_heads_swept": self.n_heads_swept,
+            "circuit": [list(h) for h in self.circuit],
+            "n_examples": self.n_examples,
+            "n_events": self.n_events,
+            "n_decided_events": self.n_decided_events,
+            "n_null_events": self.n_null_events,
+            "null_std_floor": calibration.std_floor,
+            "thresholds": self.config.thresholds,
+            "attribution_vs_ablation_spearman": self.spearman(),
+            "phase_structure": phase_structure(calibration, self.circuits),
+            # the strongest heads per kind whether or not they pass selection: what to look at
+            # when the circuit is empty or when choosing --z-min
+            "top_heads": {
+                kind: [
+                    {
+                        "layer": l,
+                        "head": h,
+                        "z": float(calibration.z[k, l, h]),
+                        "raw": float(calibration.raw[k, l, h]),
+                    }
+                    for l, h in top_heads(calibration.z[k], 5)
+                ]
+                for k, kind in enumerate(calibration.kinds)
+            },
+            **self.measures(),
+        }
+        if not self.families.empty:
+            summary["families"] = self.family_of_circuit_heads()
+        summary["elicitation"] = self.elicitation
+        summary["config"] = asdict(self.config)
+        summary.update(self.provenance)
+        return summary
 
 
 def characterize(
@@ -204,19 +329,23 @@ def characterize(
     tokenizer,
     examples: Sequence[Any],
     reference_examples: Sequence[Any],
-    out_dir: Path,
     config: CharacterizeConfig = CharacterizeConfig(),
+    *,
+    sweep_dir: str | Path | None = None,
     region_candidates: Sequence[int] | None = None,
     near_miss_text: Callable[[Any, DecisionEvent], str | None] | None = None,
     provenance: Mapping[str, Any] | None = None,
-) -> dict:
-    """Run the whole characterisation and write its files to `out_dir`; returns the summary.
+) -> Characterization:
+    """Run the whole characterisation; returns a :class:`Characterization`.
 
     `examples` / `reference_examples` carry `prompt`, `output` and gold `events`; means come from
-    the reference runs. `region_candidates` (token ids: the readout classes of
-    early elicitation) default to every token chosen or contrasted at a `config.elicitation_kind`
-    event here. `provenance` (e.g. the command) is stored in the summary
-    (its `warnings`, if any, join the pipeline's).
+    the reference runs. With `sweep_dir` the exact sweeps are resumable tables there
+    (`sweep.csv`, `sweep_null.csv`, each with its fingerprint); without it they stay in memory.
+    `region_candidates` (token ids: the readout classes of early elicitation) default to every
+    token chosen or contrasted at a `config.elicitation_kind` event here. `near_miss_text(example,
+    event)` names the text an event's near-miss family looks back at (a task's reader).
+    `provenance` (e.g. the command) is kept with the result; its `warnings`, if any, join the
+    pipeline's.
     """
     if not examples:
         raise ValueError(
@@ -225,7 +354,6 @@ def characterize(
     if not reference_examples:
         raise ValueError("no reference examples: the mean-ablation means need at least one")
     torch.manual_seed(config.seed)
-    out_dir = prepare_output(out_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if config.engine and not isinstance(model, InterventionEngine):
@@ -235,61 +363,27 @@ def characterize(
                 warnings.warn(
                     f"{err}: the characterisation runs on the full forward", EngineFallbackWarning
                 )
-        summary = _characterize(
+        result = _characterize(
             model,
             tokenizer,
             examples,
             reference_examples,
-            out_dir,
+            Path(sweep_dir) if sweep_dir is not None else None,
             config,
             region_candidates,
             near_miss_text,
         )
-    for warning in caught:  # ours go into the summary, anyone else's back to the caller
+    for warning in caught:  # ours go into the result, anyone else's back to the caller
         if issubclass(warning.category, (StaleResultWarning, EngineFallbackWarning)):
-            summary["warnings"].append(str(warning.message))
+            result.warnings.append(str(warning.message))
         else:
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
-    summary["config"] = asdict(config)
     extra = dict(provenance or {})
-    summary["warnings"].extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
-    summary.update(extra)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def claim_characterize_dir(out_dir: str | Path) -> Path:
-    """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
-    return claim_run_dir(
-        out_dir,
-        RUN_KIND,
-        legacy_run(
-            ["summary.json"],
-            [
-                *RESUMABLE_FILES,
-                *DERIVED_FILES,
-                *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
-                "generations.jsonl",
-                "reference_generations.jsonl",
-            ],
-        ),
-    )
-
-
-def prepare_output(out_dir: str | Path) -> Path:
-    """Claim `out_dir` as a characterisation folder and remove what an earlier run derived there
-    (every derived file is rewritten; a figure or table this run does not make must not survive)."""
-    out_dir = claim_characterize_dir(out_dir)
-    for name in DERIVED_FILES:
-        target = out_dir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-    (out_dir / "figures").mkdir()
-    return out_dir
+    result.warnings.extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
+    result.provenance = extra
+    return result
 
 
 def _characterize(
@@ -297,11 +391,11 @@ def _characterize(
     tokenizer,
     examples,
     reference_examples,
-    out_dir: Path,
+    sweep_dir: Path | None,
     config: CharacterizeConfig,
     region_candidates,
     near_miss_text,
-) -> dict:
+) -> Characterization:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded = encode(examples, tokenizer)
     reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
@@ -314,6 +408,7 @@ def _characterize(
             f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise"
         )
     batch = every_event.select(decided)
+    clean = clean_margins(model, batch)  # the sweep, the circuit and the curve share it
     nulls = make_event_batch(
         encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad
     )
@@ -326,13 +421,16 @@ def _characterize(
         else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
     )
 
-    def sweep_of(events: EventBatch, name: str) -> pd.DataFrame:
+    def sweep_of(events: EventBatch, name: str, clean=None) -> pd.DataFrame:
+        out_path = sweep_dir / name if sweep_dir is not None else None
         if config.ray is not None:  # the examples sharded over Ray tasks, each on the engine
+            if out_path is None:
+                raise ValueError("a sweep sharded over Ray needs a sweep_dir for its shard tables")
             return sharded_sweep(
                 model.model if isinstance(model, InterventionEngine) else model,
                 events,
                 means,
-                out_dir / name,
+                out_path,
                 heads=swept,
                 shards=config.shards,
                 address=None if config.ray == "local" else config.ray,
@@ -342,17 +440,18 @@ def _characterize(
             model,
             events,
             means,
-            out_dir / name,
+            out_path,
             heads=swept,
             progress=config.progress,
             stale=config.stale,
+            clean=clean,
         )
 
-    sweep = sweep_of(batch, "sweep.csv")
+    sweep = sweep_of(batch, "sweep.csv", clean)
     null_sweep = sweep_of(nulls, "sweep_null.csv")
     exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
     null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
-    pd.DataFrame(
+    attribution_table = pd.DataFrame(
         [
             {
                 "event_row": e,
@@ -366,13 +465,11 @@ def _characterize(
             for l in range(n_layers)
             for h in range(n_heads)
         ]
-    ).to_csv(out_dir / "attribution.csv", index=False)
+    )
 
     calibration = calibrate(exact.nan_to_num(0.0), batch.kinds, null_exact.nan_to_num(0.0))
-    calibration.to_frame().to_csv(out_dir / "calibration.csv", index=False)
     circuits = select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
     circuit = circuits["all"]
-    (out_dir / "heads.json").write_text(json.dumps(heads_json(calibration, circuits), indent=2))
 
     warned = [
         f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
@@ -385,59 +482,11 @@ def _characterize(
             f"no head passes z >= {config.z_min}: the circuit is empty, so necessity, sufficiency and "
             "knock-in are not measured (see top_heads, or lower z_min)"
         )
-    summary: dict[str, Any] = {
-        "warnings": warned,
-        "circuit_size": len(circuit),
-        "n_heads_total": n_layers * n_heads,
-        "n_heads_swept": len(swept),
-        "circuit": [list(h) for h in circuit],
-        "n_examples": len(encoded),
-        "n_events": len(every_event),
-        "n_decided_events": len(batch),
-        "n_null_events": len(nulls),
-        "thresholds": config.thresholds,
-        "attribution_vs_ablation_spearman": {
-            "all": rank_correlation(attribution, exact),
-            **{
-                k: rank_correlation(
-                    attribution[kind_mask(batch.kinds, k)], exact[kind_mask(batch.kinds, k)]
-                )
-                for k in calibration.kinds
-            },
-        },
-        "phase_structure": phase_structure(calibration, circuits),
-        # the strongest heads per kind whether or not they pass selection: what to look at when the
-        # circuit is empty or when choosing --z-min
-        "top_heads": {
-            kind: [
-                {
-                    "layer": l,
-                    "head": h,
-                    "z": float(calibration.z[k, l, h]),
-                    "raw": float(calibration.raw[k, l, h]),
-                }
-                for l, h in top_heads(calibration.z[k], 5)
-            ]
-            for k, kind in enumerate(calibration.kinds)
-        },
-    }
-    per_kind = {
-        kind: {
-            "necessity": None,
-            "sufficiency": None,
-            "knock_in": None,
-            "coverage": None,
-            "n_events": batch.kinds.count(kind),
-            "circuit": [list(h) for h in circuits[kind]],
-        }
-        for kind in calibration.kinds
-    }
-    if circuit:
-        report = circuit_report(model, batch, means, circuit, seed=config.seed)
-        report.to_frame().to_csv(out_dir / "events.csv", index=False)
-        for kind, measures in report.summary(config.thresholds).items():
-            per_kind[kind].update(measures)
-    summary.update(per_kind)  # per kind at the top level: summary["region"]["necessity"]
+    events = (
+        circuit_report(model, batch, means, circuit, seed=config.seed, clean=clean).to_frame()
+        if circuit
+        else None
+    )
 
     by_id = {x.example_id: x for x in encoded}
     targets = [
@@ -448,7 +497,7 @@ def _characterize(
         )
         for e in batch.events
     ]
-    families_table = pd.DataFrame()
+    families = pd.DataFrame()
     if targets:
         masses = {
             family: attention_mass(model, batch, [t[family] for t in targets])
@@ -460,42 +509,39 @@ def _characterize(
             )
             for family in masses
         }
-        families_table = head_families(masses, batch.kinds, all_heads(model), baselines)
-        families_table.to_csv(out_dir / "families.csv", index=False)
-        in_circuit = families_table[
-            [(l, h) in set(circuit) for l, h in zip(families_table.layer, families_table["head"])]
-        ]
-        summary["families"] = {
-            f"L{l}H{h}/{k}": fam
-            for k, l, h, fam in zip(
-                in_circuit.kind, in_circuit.layer, in_circuit["head"], in_circuit.family
-            )
-        }
+        families = head_families(masses, batch.kinds, all_heads(model), baselines)
 
-    summary["elicitation"], elicitation = _elicitation(
-        model, batch, circuits, region_candidates, config
-    )
-    if elicitation is not None:
-        elicitation.to_csv(out_dir / "elicitation.csv", index=False)
-    elif config.elicitation_kind is not None:
-        warned.append(f"early elicitation skipped: {summary['elicitation']['skipped']}")
+    elicitation, curve = _elicitation(model, batch, circuits, region_candidates, config)
+    if curve is None and config.elicitation_kind is not None:
+        warned.append(f"early elicitation skipped: {elicitation['skipped']}")
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
-    curve = ablation_curve(
-        model, batch, means, ranked, seed=config.seed, max_points=config.curve_points
+    return Characterization(
+        config=config,
+        calibration=calibration,
+        circuits=circuits,
+        attribution=attribution_table,
+        sweep=sweep,
+        null_sweep=null_sweep,
+        events=events,
+        families=families,
+        ablation_curve=ablation_curve(
+            model,
+            batch,
+            means,
+            ranked,
+            seed=config.seed,
+            max_points=config.curve_points,
+            clean=clean,
+        ),
+        elicitation=elicitation,
+        elicitation_curve=curve,
+        n_examples=len(encoded),
+        n_events=len(every_event),
+        n_null_events=len(nulls),
+        n_heads_swept=len(swept),
+        warnings=warned,
     )
-    curve.to_csv(out_dir / "ablation_curve.csv", index=False)
-
-    figures = out_dir / "figures"
-    plot.write_figure(plot.head_map_figure(calibration), figures / "head_maps.html")
-    plot.write_figure(plot.ablation_curve_figure(curve), figures / "ablation_curve.html")
-    if len(families_table):
-        plot.write_figure(
-            plot.attention_families_figure(families_table), figures / "attention_families.html"
-        )
-    if elicitation is not None:
-        plot.write_figure(plot.elicitation_figure(elicitation), figures / "elicitation.html")
-    return summary
 
 
 def _elicitation(

@@ -202,25 +202,34 @@ class CircuitReport:
         )
 
     def summary(self, thresholds: Mapping[str, float]) -> dict:
-        """Per kind: mean of each measure and the fraction of examples at or above its threshold."""
-        frame = self.to_frame()
-        out = {}
-        for kind, rows in frame.groupby("kind", sort=False):
-            out[kind] = {"n_events": len(rows)}
-            for measure in ("necessity", "sufficiency", "knock_in"):
-                values = torch.tensor(rows[measure].to_numpy(), dtype=torch.float32)
-                out[kind][measure] = float(rows[measure].mean())
-                out[kind].setdefault("coverage", {})[measure] = coverage(
-                    values, rows["example_id"].tolist(), thresholds[measure]
-                )
-        return out
+        return circuit_measures(self.to_frame(), thresholds)
+
+
+def circuit_measures(events: pd.DataFrame, thresholds: Mapping[str, float]) -> dict:
+    """Per kind of a per-event table (:meth:`CircuitReport.to_frame`): the mean of each measure and
+    the fraction of examples at or above its threshold (coverage)."""
+    out = {}
+    for kind, rows in events.groupby("kind", sort=False):
+        out[kind] = {"n_events": len(rows)}
+        for measure in ("necessity", "sufficiency", "knock_in"):
+            values = torch.tensor(rows[measure].to_numpy(), dtype=torch.float32)
+            out[kind][measure] = float(rows[measure].mean())
+            out[kind].setdefault("coverage", {})[measure] = coverage(
+                values, rows["example_id"].tolist(), thresholds[measure]
+            )
+    return out
 
 
 def circuit_report(
-    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], seed: int = 0
+    model,
+    batch: EventBatch,
+    means: HeadMeans,
+    heads: Iterable[Head],
+    seed: int = 0,
+    clean: Float[Tensor, "event"] | None = None,
 ) -> CircuitReport:
     heads = validate_heads(model, heads)
-    clean = clean_margins(model, batch)
+    clean = clean if clean is not None else clean_margins(model, batch)
     return CircuitReport(
         heads,
         batch.events,
@@ -237,10 +246,11 @@ def ablation_curve(
     ranked_heads: Sequence[Head],
     seed: int = 0,
     max_points: int = 32,
+    clean: Float[Tensor, "event"] | None = None,
 ) -> pd.DataFrame:
     """Mean fraction of the clean margin kept as the first n heads are mean-ablated, heads taken in
     `ranked_heads` order (by score) vs a random order of all heads (seeded)."""
-    clean = clean_margins(model, batch)
+    clean = clean if clean is not None else clean_margins(model, batch)
     every = all_heads(model)
     ranked = list(ranked_heads) + [h for h in every if h not in set(ranked_heads)]
     shuffled = every[:]

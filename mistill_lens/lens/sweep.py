@@ -145,6 +145,7 @@ def ablation_sweep(
     progress: bool = True,
     batch_size: int = 256,
     stale: str = "error",
+    clean: Float[Tensor, "event"] | None = None,
 ) -> pd.DataFrame:
     """Exact single-head mean-ablation effect of every head on every event (columns SWEEP_COLUMNS).
 
@@ -154,11 +155,12 @@ def ablation_sweep(
     events, reference means, format; `sweep_fingerprint`) is stored beside it: a table computed
     from other inputs is never resumed. `stale="error"` then raises `StaleResultError` naming the
     inputs that changed; `stale="recompute"` discards the table (with a warning) and starts again.
+    `clean`: the events' clean margins, when the caller has them already.
     """
     if stale not in ("error", "recompute"):
         raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
     heads = validate_heads(model, heads if heads is not None else all_heads(model))
-    clean = clean_margins(model, batch, batch_size=batch_size)
+    clean = clean if clean is not None else clean_margins(model, batch, batch_size=batch_size)
     done = pd.DataFrame(columns=SWEEP_COLUMNS)
     if out_path is not None:
         out_path = Path(out_path)
@@ -221,8 +223,14 @@ def _sweep_groups(model, heads: list[Head]) -> list[list[Head]]:
     return list(by_layer.values())
 
 
+def read_table(path: str | Path) -> pd.DataFrame:
+    """A table this toolkit wrote, read back as written: only an empty field is missing (pandas
+    would otherwise read the null event kind, "null", as NaN)."""
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+
 def _read_table(path: Path) -> pd.DataFrame:
-    done = pd.read_csv(path)
+    done = read_table(path)
     if list(done.columns) != SWEEP_COLUMNS:
         raise StaleResultError(
             f"sweep table {path} has columns {list(done.columns)}, expected {SWEEP_COLUMNS}"

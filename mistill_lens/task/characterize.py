@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
 from mistill_lens.task.examples import Example, generate_examples, near_miss_named
 
 ELICITATION_KIND = "region"  # the ICD decision read out before it is written
@@ -36,10 +36,11 @@ def characterize_task(
     tokenizer,
     examples: Sequence[Any],
     reference: Sequence[Any],
-    out_dir: str | Path,
     config: CharacterizeConfig = CharacterizeConfig(),
+    *,
+    sweep_dir: str | Path | None = None,
     provenance: Mapping[str, Any] | None = None,
-) -> dict:
+) -> Characterization:
     """:func:`characterize` with the ICD task's readers: region elicitation and the near-miss
     family (from each example's mentions, where it has them)."""
     return characterize(
@@ -47,8 +48,8 @@ def characterize_task(
         tokenizer,
         examples,
         reference,
-        Path(out_dir),
         replace(config, elicitation_kind=ELICITATION_KIND),
+        sweep_dir=sweep_dir,
         near_miss_text=near_miss_named,
         provenance=provenance,
     )

@@ -1,0 +1,213 @@
+"""A :class:`~mistill_lens.lens.characterize.Characterization` and its folder, both ways.
+
+Files of a characterisation folder: the resumable sweeps `sweep.csv`, `sweep_null.csv` (with their
+fingerprints; written by the sweep itself while it runs), and what :func:`write_characterization`
+derives: `attribution.csv`, `calibration.csv`, `events.csv` (per-event circuit measures, when the
+circuit is not empty), `families.csv`, `elicitation.csv`, `ablation_curve.csv`, `heads.json`,
+`figures/*.html` and, last, `summary.json` (its presence means the folder is complete).
+:func:`read_characterization` rebuilds the object from them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import fields
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from mistill_lens.lens import plot
+from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
+from mistill_lens.lens.sweep import read_table
+from mistill_lens.runs import claim_run_dir, legacy_run
+
+RUN_KIND = "characterize"
+SUMMARY = "summary.json"
+RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
+DERIVED_FILES = (
+    "attribution.csv",
+    "calibration.csv",
+    "events.csv",
+    "families.csv",
+    "elicitation.csv",
+    "ablation_curve.csv",
+    "heads.json",
+    SUMMARY,
+    "figures",
+)
+# summary.json keys that are the characterisation's own; the rest is the caller's provenance
+_OWN_KEYS = {
+    "warnings",
+    "circuit_size",
+    "n_heads_total",
+    "n_heads_swept",
+    "circuit",
+    "n_examples",
+    "n_events",
+    "n_decided_events",
+    "n_null_events",
+    "null_std_floor",
+    "thresholds",
+    "attribution_vs_ablation_spearman",
+    "phase_structure",
+    "top_heads",
+    "families",
+    "elicitation",
+    "config",
+}
+
+
+def claim_characterize_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
+    return claim_run_dir(
+        out_dir,
+        RUN_KIND,
+        legacy_run(
+            [SUMMARY],
+            [
+                *RESUMABLE_FILES,
+                *DERIVED_FILES,
+                *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
+                "generations.jsonl",
+                "reference_generations.jsonl",
+            ],
+        ),
+    )
+
+
+def prepare_output(out_dir: str | Path) -> Path:
+    """Claim `out_dir` as a characterisation folder and remove what an earlier run derived there
+    (every derived file is rewritten; a figure or table this run does not make must not survive,
+    and a folder without `summary.json` is never mistaken for a finished one). The resumable
+    sweep tables stay."""
+    out_dir = claim_characterize_dir(out_dir)
+    for name in DERIVED_FILES:
+        target = out_dir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    return out_dir
+
+
+def write_characterization(result: Characterization, out_dir: str | Path) -> Path:
+    """Write `result`'s tables, `heads.json`, figures and, last, `summary.json` into `out_dir`
+    (claimed as a characterisation folder; earlier derived files are replaced)."""
+    out_dir = prepare_output(out_dir)
+    tables = {
+        "sweep.csv": result.sweep,
+        "sweep_null.csv": result.null_sweep,
+        "attribution.csv": result.attribution,
+        "calibration.csv": result.calibration.to_frame(),
+        "events.csv": result.events,
+        "families.csv": result.families if not result.families.empty else None,
+        "elicitation.csv": result.elicitation_curve,
+        "ablation_curve.csv": result.ablation_curve,
+    }
+    for name in RESUMABLE_FILES:
+        _forget_other_sweep(out_dir / name, tables[name])
+    for name, table in tables.items():
+        if table is not None:
+            table.to_csv(out_dir / name, index=False)
+    (out_dir / "heads.json").write_text(json.dumps(result.heads_table(), indent=2))
+    figures = out_dir / "figures"
+    figures.mkdir()
+    plot.write_figure(plot.head_map_figure(result.calibration), figures / "head_maps.html")
+    plot.write_figure(
+        plot.ablation_curve_figure(result.ablation_curve), figures / "ablation_curve.html"
+    )
+    if not result.families.empty:
+        plot.write_figure(
+            plot.attention_families_figure(result.families), figures / "attention_families.html"
+        )
+    if result.elicitation_curve is not None:
+        plot.write_figure(
+            plot.elicitation_figure(result.elicitation_curve), figures / "elicitation.html"
+        )
+    (out_dir / SUMMARY).write_text(json.dumps(result.summary(), indent=2))
+    return out_dir
+
+
+def _forget_other_sweep(path: Path, table: pd.DataFrame) -> None:
+    """A sweep table already at `path` (with its fingerprint) that is not `table` came from another
+    run: its fingerprint goes, so that the table written now is never resumed as that run's."""
+    fingerprint = path.with_name(path.name + ".fingerprint.json")
+    if not fingerprint.exists():
+        return
+    if path.exists():
+        order = ["layer", "head", "event_row"]
+        here = read_table(path).sort_values(order, ignore_index=True)
+        if here.equals(table.sort_values(order, ignore_index=True)):
+            return
+    fingerprint.unlink()
+
+
+def read_characterization(out_dir: str | Path) -> Characterization:
+    """The :class:`Characterization` written to `out_dir` by :func:`write_characterization`."""
+    out_dir = Path(out_dir)
+    if not (out_dir / SUMMARY).is_file():
+        raise FileNotFoundError(
+            f"{out_dir} holds no finished characterisation (no {SUMMARY}): run "
+            "`mistill-lens characterize` into it to completion"
+        )
+    summary = json.loads((out_dir / SUMMARY).read_text())
+    known = {f.name for f in fields(CharacterizeConfig)}
+    config = CharacterizeConfig(**{k: v for k, v in summary["config"].items() if k in known})
+    config.ks = tuple(config.ks)
+    per_kind = {k: v for k, v in summary.items() if isinstance(v, dict) and "circuit" in v}
+    calibration = _read_calibration(
+        read_table(out_dir / "calibration.csv"),
+        std_floor=summary.get("null_std_floor", 1e-2),
+        n_events={kind: measures["n_events"] for kind, measures in per_kind.items()},
+        n_null=summary["n_null_events"],
+    )
+    circuits = {kind: [tuple(h) for h in per_kind[kind]["circuit"]] for kind in calibration.kinds}
+    circuits["all"] = [tuple(h) for h in summary["circuit"]]
+
+    def table(name: str) -> pd.DataFrame | None:
+        return read_table(out_dir / name) if (out_dir / name).is_file() else None
+
+    return Characterization(
+        config=config,
+        calibration=calibration,
+        circuits=circuits,
+        attribution=table("attribution.csv"),
+        sweep=table("sweep.csv"),
+        null_sweep=table("sweep_null.csv"),
+        events=table("events.csv"),
+        families=table("families.csv") if (out_dir / "families.csv").is_file() else pd.DataFrame(),
+        ablation_curve=table("ablation_curve.csv"),
+        elicitation=summary["elicitation"],
+        elicitation_curve=table("elicitation.csv"),
+        n_examples=summary["n_examples"],
+        n_events=summary["n_events"],
+        n_null_events=summary["n_null_events"],
+        n_heads_swept=summary["n_heads_swept"],
+        warnings=summary["warnings"],
+        provenance={k: v for k, v in summary.items() if k not in _OWN_KEYS and k not in per_kind},
+    )
+
+
+def _read_calibration(
+    frame: pd.DataFrame, std_floor: float, n_events: dict[str, int], n_null: int
+) -> Calibration:
+    kinds = tuple(dict.fromkeys(frame.kind))
+    n_layers, n_heads = int(frame.layer.max()) + 1, int(frame["head"].max()) + 1
+
+    def grid(rows: pd.DataFrame, column: str) -> torch.Tensor:
+        rows = rows.sort_values(["layer", "head"])
+        return torch.tensor(rows[column].to_numpy(), dtype=torch.float32).reshape(n_layers, n_heads)
+
+    first = frame[frame.kind == kinds[0]]
+    return Calibration(
+        kinds,
+        torch.stack([grid(frame[frame.kind == kind], "raw") for kind in kinds]),
+        grid(first, "null_mean"),
+        grid(first, "null_std"),
+        std_floor,
+        tuple(n_events[kind] for kind in kinds),
+        n_null,
+    )
