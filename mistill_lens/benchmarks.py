@@ -17,10 +17,11 @@ from mistill_lens import task
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import all_heads, means_from_events
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.sweep import ablated_margins, ablation_sweep, clean_margins, effects_tensor
 
 
-def _tl_patching_seconds(model, batch, rows: int, seed: int) -> dict[str, Any]:
+def _tl_patching_seconds(model: HookedModel, batch, rows: int, seed: int) -> dict[str, Any]:
     """TransformerLens's own per-head patching (`get_act_patch_attn_head_out_all_pos`: one full
     forward per head, the head's output patched at every position) on `rows` random event rows,
     scaled to all rows: the cost of the peers' path for a sweep, or why it does not run."""
@@ -50,7 +51,9 @@ def _tl_patching_seconds(model, batch, rows: int, seed: int) -> dict[str, Any]:
     }
 
 
-def _events(tokenizer, k: int, n_examples: int, max_events: int | None, seed: int, context: int):
+def _events(
+    tokenizer: Tokenizer, k: int, n_examples: int, max_events: int | None, seed: int, context: int
+):
     examples = task.generate_examples(n_examples, seed, "heldout", k=k, max_mentions=4)
     encoded = [events_from_spans(e, tokenizer, i) for i, e in enumerate(examples)]
     longest = max(len(x.tokens) for x in encoded)
@@ -65,8 +68,8 @@ def _events(tokenizer, k: int, n_examples: int, max_events: int | None, seed: in
 
 
 def sweep_benchmark(
-    model,
-    tokenizer,
+    model: HookedModel,
+    tokenizer: Tokenizer,
     *,
     k: int,
     n_examples: int,
@@ -244,7 +247,13 @@ def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
 
 
 def attribution_benchmark(
-    model, tokenizer, *, k: int, n_examples: int, max_events: int | None = None, seed: int = 0
+    model: HookedModel,
+    tokenizer: Tokenizer,
+    *,
+    k: int,
+    n_examples: int,
+    max_events: int | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Attribution on the engine: its cost in forward-equivalents of the clean passes (all heads,
     all events), and its Spearman rank correlation with the exact engine sweep."""

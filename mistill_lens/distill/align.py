@@ -15,10 +15,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from mistill_lens.lens.model_types import Tokenizer
+
 Offsets = Sequence[tuple[int, int]]
 
 
-def require_offsets(tokenizer, what: str = "tokenizer") -> None:
+def require_offsets(tokenizer: Tokenizer, what: str = "tokenizer") -> None:
     """Raise a clear error for a tokenizer that cannot give character offsets (a slow one)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(

@@ -24,6 +24,7 @@ from transformer_lens.utilities import get_act_name
 from mistill_lens.distill.align import require_offsets, transfer_mass
 from mistill_lens.lens.events import EncodedExample, events_from_spans
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.training.loop import collate, encode
 
 PROBABILITY_FLOOR = 1e-30  # keeps log(student attention) finite where it underflows to zero
@@ -66,7 +67,7 @@ def heads_in_layers(n_heads: int, layers: Sequence[int]) -> list[Head]:
 
 @torch.no_grad()
 def teacher_event_attention(
-    teacher, encoded: EncodedExample, heads_by_kind: Mapping[str, Sequence[Head]]
+    teacher: HookedModel, encoded: EncodedExample, heads_by_kind: Mapping[str, Sequence[Head]]
 ) -> list[Float[Tensor, "key"]]:
     """Per event of `encoded`: the teacher's attention row at its predicting position over source
     positions ``0..predict_position``, averaged over the event kind's heads."""
@@ -107,9 +108,9 @@ class DistillItem:
 def student_item(
     example: Any,
     example_id: int,
-    teacher,
-    teacher_tokenizer,
-    student_tokenizer,
+    teacher: HookedModel,
+    teacher_tokenizer: Tokenizer,
+    student_tokenizer: Tokenizer,
     heads_by_kind: Mapping[str, Sequence[Head]],
     student_n_ctx: int,
 ) -> DistillItem:

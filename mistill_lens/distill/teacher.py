@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.outputs import (
     SUMMARY,
     prepare_output,
@@ -34,8 +35,8 @@ def teacher_task_config(teacher_dir: Path) -> dict:
 
 
 def teacher_characterization(
-    teacher,
-    teacher_tokenizer,
+    teacher: HookedModel,
+    teacher_tokenizer: Tokenizer,
     teacher_dir: Path,
     task_config: dict,
     cache_dir: Path,

@@ -30,6 +30,7 @@ from mistill_lens.distill.attention import (
 )
 from mistill_lens.lens.fingerprint import value_digest
 from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.models.checkpoints import (
     CheckpointError,
     load_hf_model,
@@ -133,9 +134,9 @@ class DistillConfig:
 
 def distillation_items(
     examples: Sequence[task.Example],
-    teacher,
-    teacher_tokenizer,
-    student_tokenizer,
+    teacher: HookedModel,
+    teacher_tokenizer: Tokenizer,
+    student_tokenizer: Tokenizer,
     heads_by_kind: Mapping[str, Sequence[Head]],
     n_ctx: int,
 ) -> tuple[list[DistillItem], int]:
@@ -276,8 +277,8 @@ def initial_student(config: DistillConfig):
 
 def distill(
     config: DistillConfig,
-    teacher,
-    teacher_tokenizer,
+    teacher: HookedModel,
+    teacher_tokenizer: Tokenizer,
     examples: Sequence[task.Example],
     heads_by_kind: Mapping[str, Sequence[Head]],
     out_dir: str | Path,

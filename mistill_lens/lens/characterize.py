@@ -59,6 +59,7 @@ from mistill_lens.lens.hooks import (
     attribution_scores,
     means_from_events,
 )
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
     EngineFallbackWarning,
@@ -123,14 +124,20 @@ class CharacterizeConfig:
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
 
-def encode(examples: Sequence[Any], tokenizer, first_id: int = 0) -> list[EncodedExample]:
+def encode(
+    examples: Sequence[Any], tokenizer: Tokenizer, first_id: int = 0
+) -> list[EncodedExample]:
     return [
         events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)
     ]
 
 
 def reference_means(
-    model, reference: Sequence[EncodedExample], null_per_event: int, seed: int, pad_token_id: int
+    model: HookedModel,
+    reference: Sequence[EncodedExample],
+    null_per_event: int,
+    seed: int,
+    pad_token_id: int,
 ) -> HeadMeans:
     """Exact per-class means from real runs on separate reference examples: one class per event
     kind (at its predicting position) plus the null class."""
@@ -140,7 +147,7 @@ def reference_means(
 
 
 def chunked_attribution(
-    model, batch: EventBatch, means: HeadMeans, batch_size: int
+    model: HookedModel, batch: EventBatch, means: HeadMeans, batch_size: int
 ) -> Float[Tensor, "event layer head"]:
     """Attribution scores, one forward + backward per chunk of events (memory stays bounded); on
     the engine, single-position passes."""
@@ -325,8 +332,8 @@ class Characterization:
 
 
 def characterize(
-    model,
-    tokenizer,
+    model: HookedModel,
+    tokenizer: Tokenizer,
     examples: Sequence[Any],
     reference_examples: Sequence[Any],
     config: CharacterizeConfig = CharacterizeConfig(),
@@ -387,8 +394,8 @@ def characterize(
 
 
 def _characterize(
-    model,
-    tokenizer,
+    model: HookedModel,
+    tokenizer: Tokenizer,
     examples,
     reference_examples,
     sweep_dir: Path | None,
@@ -545,7 +552,7 @@ def _characterize(
 
 
 def _elicitation(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     circuits: Mapping[str, list[Head]],
     region_candidates,

@@ -38,6 +38,7 @@ from mistill_lens.lens.hooks import (
     knock_in_hooks,
     validate_heads,
 )
+from mistill_lens.lens.model_types import HookedModel
 from mistill_lens.lens.sweep import ablated_margins, chunked_margins, clean_margins
 
 # --- selection -------------------------------------------------------------------------------
@@ -81,7 +82,11 @@ def select_circuit(
 
 
 def necessity(
-    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    heads: Iterable[Head],
+    clean: Tensor | None = None,
 ) -> Float[Tensor, "event"]:
     """Fraction of each event's clean margin lost when `heads` are mean-ablated at its position."""
     clean = clean if clean is not None else clean_margins(model, batch)
@@ -89,7 +94,11 @@ def necessity(
 
 
 def sufficiency(
-    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], clean: Tensor | None = None
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    heads: Iterable[Head],
+    clean: Tensor | None = None,
 ) -> Float[Tensor, "event"]:
     """Fraction of each event's clean margin kept when every head *but* `heads` is mean-ablated."""
     clean = clean if clean is not None else clean_margins(model, batch)
@@ -123,7 +132,7 @@ def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
 
 
 def knock_in_transfer(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     heads: Iterable[Head],
     donors: Int[Tensor, "event"],
@@ -221,7 +230,7 @@ def circuit_measures(events: pd.DataFrame, thresholds: Mapping[str, float]) -> d
 
 
 def circuit_report(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     means: HeadMeans,
     heads: Iterable[Head],
@@ -240,7 +249,7 @@ def circuit_report(
 
 
 def ablation_curve(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     means: HeadMeans,
     ranked_heads: Sequence[Head],
@@ -339,7 +348,7 @@ def family_targets(
 
 
 def attention_mass(
-    model, batch: EventBatch, targets: Sequence[Sequence[int]], batch_size: int = 64
+    model: HookedModel, batch: EventBatch, targets: Sequence[Sequence[int]], batch_size: int = 64
 ) -> Float[Tensor, "event layer head"]:
     """Attention mass from each event's predicting position to its target positions, every head.
     Only the event's query row of each pattern is kept (full patterns would not fit in memory)."""

@@ -29,11 +29,12 @@ from mistill_lens.lens.hooks import (
     compute_head_means,
     mean_ablation_hooks,
 )
+from mistill_lens.lens.model_types import HookedModel
 
 DEFAULT_KS = tuple(range(1, 9))
 
 
-def residual_stages(model) -> list[str]:
+def residual_stages(model: HookedModel) -> list[str]:
     """Hook names of the residual stream before each layer and after the last."""
     n_layers = model.cfg.n_layers
     return [get_act_name("resid_pre", l) for l in range(n_layers)] + [
@@ -58,7 +59,7 @@ def at_positions(batch: EventBatch, positions: Int[Tensor, "event"]) -> EventBat
 
 @torch.no_grad()
 def residuals_before(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     ks: Sequence[int] = DEFAULT_KS,
     hooks_for: Callable[[EventBatch], Sequence[HookPair]] | None = None,
@@ -103,7 +104,7 @@ def residuals_before(
 
 @torch.no_grad()
 def logit_lens_correct(
-    model,
+    model: HookedModel,
     residuals: Float[Tensor, "... d_model"],
     labels: Int[Tensor, "..."],
     candidate_ids: Sequence[int],
@@ -193,7 +194,7 @@ def train_probe(
 
 
 def elicitation_curve(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     candidate_ids: Sequence[int],
     ks: Sequence[int] = DEFAULT_KS,
@@ -252,7 +253,7 @@ def elicitation_lead(curve: pd.DataFrame, method: str = "probe", threshold: floa
 
 
 def carrying_heads(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     k: int,
     stage: int,

@@ -42,6 +42,7 @@ import einops
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from transformer_lens.model_bridge import TransformerBridge
 from transformers import PreTrainedModel
 
 from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
@@ -110,7 +111,7 @@ class _Family:
 
 
 class _Llama(_Family):
-    def __init__(self, model):
+    def __init__(self, model: PreTrainedModel):
         super().__init__(model)
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -152,7 +153,7 @@ class _Llama(_Family):
 
 
 class _GPT2(_Family):
-    def __init__(self, model):
+    def __init__(self, model: PreTrainedModel):
         super().__init__(model)
         config = model.config
         self.n_layers = config.n_layer
@@ -190,7 +191,7 @@ class _GPT2(_Family):
 _FAMILIES = {"llama": _Llama, "mistral": _Llama, "qwen2": _Llama, "gpt2": _GPT2}
 
 
-def unbridged(model) -> PreTrainedModel:
+def unbridged(model: TransformerBridge) -> PreTrainedModel:
     """The plain Hugging Face model behind `model` (a bridge, or already a plain model), sharing
     its weight tensors (no copy), with memory-efficient attention for long contexts."""
     if isinstance(model, PreTrainedModel):
@@ -227,7 +228,12 @@ class InterventionEngine:
     needed again); ``chunk`` is the number of items one step batches.
     """
 
-    def __init__(self, model, cache_bytes: int = 4 * 2**30, chunk: int = 512):
+    def __init__(
+        self,
+        model: TransformerBridge | PreTrainedModel,
+        cache_bytes: int = 4 * 2**30,
+        chunk: int = 512,
+    ):
         self.model = model
         self.hf = unbridged(model)
         model_type = self.hf.config.model_type

@@ -20,6 +20,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
+
 NULL_KIND = (
     "null"  # the kind of null events (calibration); event kinds are otherwise the data's own
 )
@@ -84,13 +86,13 @@ def _field(obj: Any, name: str) -> Any:
     return obj[name] if isinstance(obj, Mapping) else getattr(obj, name)
 
 
-def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def _encode(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     encoding = tokenizer(text, return_offsets_mapping=True)
     return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
 
 
 def _departure_token(
-    tokenizer, text: str, start: int, chosen: str, contrast: str
+    tokenizer: Tokenizer, text: str, start: int, chosen: str, contrast: str
 ) -> tuple[int, list[int], int]:
     """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, the chosen
     side's tokens, and the contrast token there. Why this way: it is where the model decides, in any
@@ -112,7 +114,7 @@ def _optional(obj: Any, name: str, default: Any) -> Any:
     return getattr(obj, name, default)
 
 
-def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExample:
+def events_from_spans(example: Any, tokenizer: Tokenizer, example_id: int) -> EncodedExample:
     """Place an example's gold events (character spans into `prompt + output`) on `tokenizer`'s tokens.
 
     `example` has `prompt`, `output` and `events`, as dicts or attributes. Each event has `kind`
@@ -169,7 +171,7 @@ def events_from_spans(example: Any, tokenizer, example_id: int) -> EncodedExampl
     return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
 
 
-def candidate_token_ids(tokenizer, pattern: str) -> list[int]:
+def candidate_token_ids(tokenizer: Tokenizer, pattern: str) -> list[int]:
     """Ids of the vocabulary tokens whose decoded text fully matches `pattern` (e.g. r"[A-Z]\\d\\d")."""
     compiled = re.compile(pattern)
     return sorted(
@@ -181,8 +183,8 @@ def candidate_token_ids(tokenizer, pattern: str) -> list[int]:
 
 @torch.no_grad()
 def events_from_generation(
-    model,
-    tokenizer,
+    model: HookedModel,
+    tokenizer: Tokenizer,
     prompt: str,
     output: str,
     locate: Callable[[str], Iterable[tuple[str, int, int]]],

@@ -21,6 +21,7 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.lens.events import EventBatch, decision_margins, position_class_names, row_chunks
+from mistill_lens.lens.model_types import HookedModel
 
 Head = tuple[int, int]
 HookFn = Callable[[Tensor, object], Tensor]
@@ -31,7 +32,7 @@ def z_hook_name(layer: int) -> str:
     return get_act_name("z", layer)
 
 
-def check_hook_names(model, names: Iterable[str]) -> None:
+def check_hook_names(model: HookedModel, names: Iterable[str]) -> None:
     """Raise a KeyError naming every hook name the model does not have."""
     unknown = sorted(set(names) - set(model.hook_dict))
     if unknown:
@@ -39,16 +40,18 @@ def check_hook_names(model, names: Iterable[str]) -> None:
         raise KeyError(f"unknown hook name(s) {unknown}; this model has e.g. {examples}")
 
 
-def n_layers_heads(model) -> tuple[int, int]:
+def n_layers_heads(model: HookedModel) -> tuple[int, int]:
     return model.cfg.n_layers, model.cfg.n_heads
 
 
-def all_heads(model) -> list[Head]:
+def all_heads(model: HookedModel) -> list[Head]:
     n_layers, n_heads = n_layers_heads(model)
     return [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
 
 
-def validate_heads(model, heads: Iterable[Head], allow_empty: bool = False) -> list[Head]:
+def validate_heads(
+    model: HookedModel, heads: Iterable[Head], allow_empty: bool = False
+) -> list[Head]:
     """Sorted unique heads, with clear errors for out-of-range indices and empty sets."""
     n_layers, n_heads = n_layers_heads(model)
     unique = sorted({(_index(layer, "layer"), _index(head, "head")) for layer, head in heads})
@@ -74,7 +77,7 @@ def _index(value, what: str) -> int:
     return int(value)
 
 
-def head_mask(model, heads: Iterable[Head]) -> Tensor:
+def head_mask(model: HookedModel, heads: Iterable[Head]) -> Tensor:
     """Bool [layer, head] mask of `heads`."""
     n_layers, n_heads = n_layers_heads(model)
     mask = torch.zeros(n_layers, n_heads, dtype=torch.bool)
@@ -117,7 +120,7 @@ class HeadMeans:
 
 
 def collect_z(
-    model, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()
+    model: HookedModel, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()
 ) -> Float[Tensor, "layer batch pos head d_head"]:
     """Every layer's hook_z from one forward pass (with any hooks already applied)."""
     names = [z_hook_name(layer) for layer in range(model.cfg.n_layers)]
@@ -152,7 +155,7 @@ def event_position_classes(
 
 
 def compute_head_means(
-    model,
+    model: HookedModel,
     tokens: Int[Tensor, "batch pos"],
     position_class: Int[Tensor, "batch pos"],
     class_names: Sequence[str],
@@ -191,7 +194,7 @@ def _class_means(class_names: Sequence[str], sums: Tensor, counts: Tensor) -> He
 
 
 def means_from_events(
-    model, batch: EventBatch, class_names: Sequence[str] | None = None
+    model: HookedModel, batch: EventBatch, class_names: Sequence[str] | None = None
 ) -> HeadMeans:
     """Reference means at the predicting positions of `batch`'s events, one class per event kind
     (default classes: `position_class_names` of the batch's kinds)."""
@@ -210,7 +213,7 @@ def means_from_events(
 # --- mean ablation ---------------------------------------------------------------------------
 
 
-def _check_means(model, means: HeadMeans, position_class: Tensor) -> None:
+def _check_means(model: HookedModel, means: HeadMeans, position_class: Tensor) -> None:
     """The means fit the model, and every class used in `position_class` has a reference mean."""
     n_layers, n_heads = n_layers_heads(model)
     if means.means.shape[1:3] != (n_layers, n_heads):
@@ -245,7 +248,7 @@ def _mean_replacement(
 
 
 def _mean_ablation_pairs(
-    model, heads: list[Head], means: HeadMeans, position_class: Tensor
+    model: HookedModel, heads: list[Head], means: HeadMeans, position_class: Tensor
 ) -> list[HookPair]:
     _check_means(model, means, position_class)
     n_heads = n_layers_heads(model)[1]
@@ -262,7 +265,10 @@ def _mean_ablation_pairs(
 
 
 def mean_ablation_hooks(
-    model, heads: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
+    model: HookedModel,
+    heads: Iterable[Head],
+    means: HeadMeans,
+    position_class: Int[Tensor, "batch pos"],
 ) -> list[HookPair]:
     """Replace the heads' hook_z with the exact reference mean of each position's class.
 
@@ -272,7 +278,7 @@ def mean_ablation_hooks(
 
 
 def row_head_ablation_hooks(
-    model,
+    model: HookedModel,
     layer: int,
     row_heads: Int[Tensor, "batch"],
     means: HeadMeans,
@@ -299,7 +305,10 @@ def row_head_ablation_hooks(
 
 
 def ablate_all_but_hooks(
-    model, keep: Iterable[Head], means: HeadMeans, position_class: Int[Tensor, "batch pos"]
+    model: HookedModel,
+    keep: Iterable[Head],
+    means: HeadMeans,
+    position_class: Int[Tensor, "batch pos"],
 ) -> list[HookPair]:
     """Mean-ablate every head except `keep` (sufficiency). Keeping every head gives no hooks;
     keeping none ablates every head (the model's margin with no head's own contribution)."""
@@ -312,7 +321,7 @@ def ablate_all_but_hooks(
 
 
 def knock_in_hooks(
-    model,
+    model: HookedModel,
     heads: Iterable[Head],
     source_values: Float[Tensor, "layer batch head d_head"],
     target_positions: Int[Tensor, "batch"],
@@ -383,7 +392,7 @@ class AttributionStore:
     leaves: dict[int, Tensor] = field(default_factory=dict)
 
 
-def attribution_hooks(model, store: AttributionStore) -> list[HookPair]:
+def attribution_hooks(model: HookedModel, store: AttributionStore) -> list[HookPair]:
     """Add a zero leaf to every layer's hook_z; d(output)/d(leaf) is then d(output)/d(hook_z).
 
     Why a zero leaf: it puts every head of every layer into one backward pass without requiring
@@ -403,7 +412,7 @@ def attribution_hooks(model, store: AttributionStore) -> list[HookPair]:
 
 
 def attribution_scores(
-    model, batch: EventBatch, means: HeadMeans, extra_hooks: Sequence[HookPair] = ()
+    model: HookedModel, batch: EventBatch, means: HeadMeans, extra_hooks: Sequence[HookPair] = ()
 ) -> Float[Tensor, "event layer head"]:
     """Attribution patching: gradient x (activation - class mean) of each event's margin, per head,
     at the event's predicting position. Positive = the head pushes toward the chosen token (the
@@ -436,7 +445,9 @@ def attribution_scores(
 
 
 @torch.no_grad()
-def run_margins(model, batch: EventBatch, hooks: Sequence[HookPair] = ()) -> Float[Tensor, "event"]:
+def run_margins(
+    model: HookedModel, batch: EventBatch, hooks: Sequence[HookPair] = ()
+) -> Float[Tensor, "event"]:
     """The events' margins from one forward pass with `hooks` applied."""
     check_hook_names(model, [name for name, _ in hooks])
     logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))

@@ -18,6 +18,7 @@ from mistill_lens.lens.engine import InterventionEngine, unbridged
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import write_fingerprint
 from mistill_lens.lens.hooks import Head, HeadMeans, all_heads, validate_heads
+from mistill_lens.lens.model_types import HookedModel
 from mistill_lens.lens.sweep import ablation_sweep, sweep_fingerprint
 
 
@@ -64,7 +65,7 @@ def _sweep_shard(
 
 
 def sharded_sweep(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     means: HeadMeans,
     out_path: Path | None = None,

@@ -38,6 +38,7 @@ from mistill_lens.lens.hooks import (
     run_margins,
     validate_heads,
 )
+from mistill_lens.lens.model_types import HookedModel
 
 SWEEP_COLUMNS = [
     "event_row",
@@ -58,7 +59,7 @@ class EngineFallbackWarning(UserWarning):
 
 
 def chunked_margins(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     hooks_for: Callable[[EventBatch], list[HookPair]],
     batch_size: int = 256,
@@ -79,7 +80,11 @@ def chunked_margins(
 
 
 def ablated_margins(
-    model, batch: EventBatch, means: HeadMeans, heads: Iterable[Head], batch_size: int = 256
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    heads: Iterable[Head],
+    batch_size: int = 256,
 ) -> Float[Tensor, "event"]:
     """Margins with `heads` mean-ablated at each event's predicting position (class = its kind)."""
     heads = list(heads)
@@ -94,7 +99,10 @@ def ablated_margins(
 
 
 def clean_margins(
-    model, batch: EventBatch, extra_hooks: Sequence[HookPair] = (), batch_size: int = 256
+    model: HookedModel,
+    batch: EventBatch,
+    extra_hooks: Sequence[HookPair] = (),
+    batch_size: int = 256,
 ) -> Float[Tensor, "event"]:
     return chunked_margins(model, batch, lambda sub: list(extra_hooks), batch_size)
 
@@ -123,7 +131,7 @@ def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -
 SWEEP_FORMAT = "sweep-v2"  # bump when the table's columns or meaning change
 
 
-def sweep_fingerprint(model, batch: EventBatch, means: HeadMeans) -> dict[str, str]:
+def sweep_fingerprint(model: HookedModel, batch: EventBatch, means: HeadMeans) -> dict[str, str]:
     """What a sweep table's numbers depend on: the table format, the model's weights, the events
     (contexts, positions, chosen and contrast tokens) and the reference means."""
     return {
@@ -137,7 +145,7 @@ def sweep_fingerprint(model, batch: EventBatch, means: HeadMeans) -> dict[str, s
 
 
 def ablation_sweep(
-    model,
+    model: HookedModel,
     batch: EventBatch,
     means: HeadMeans,
     out_path: Path | None = None,
@@ -213,7 +221,7 @@ def ablation_sweep(
     return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
 
 
-def _sweep_groups(model, heads: list[Head]) -> list[list[Head]]:
+def _sweep_groups(model: HookedModel, heads: list[Head]) -> list[list[Head]]:
     """Heads run together: a layer's at once on the engine, one by one on the full forward."""
     if not isinstance(model, InterventionEngine):
         return [[head] for head in heads]

@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from mistill_lens.lens.model_types import Tokenizer
 from mistill_lens.models.tokenizers import load_tokenizer
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 
@@ -237,7 +238,10 @@ def load_hf_model(
 
 
 def to_bridge(
-    model: PreTrainedModel, tokenizer, dtype: torch.dtype = torch.float32, name: str | None = None
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    dtype: torch.dtype = torch.float32,
+    name: str | None = None,
 ):
     """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place: deep-copy it
     first if you need the unbridged model too). ``name`` labels the bridge (default: the model

@@ -18,22 +18,25 @@ from typing import Callable, Collection
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformer_lens.model_bridge import TransformerBridge
 from transformers import PreTrainedModel
 
+from mistill_lens.lens.model_types import LanguageModel, Tokenizer
 
-def model_device(model) -> torch.device:
+
+def model_device(model: LanguageModel) -> torch.device:
     """Where the model's weights are (the CPU for a model without parameters)."""
     weight = next(iter(model.parameters()), None)
     return weight.device if weight is not None else torch.device("cpu")
 
 
-def _is_bridge(model) -> bool:
+def _is_bridge(model: LanguageModel) -> bool:
     return not isinstance(model, PreTrainedModel)
 
 
 @torch.no_grad()
 def greedy_tokens(
-    model,
+    model: LanguageModel,
     input_ids: Int[Tensor, "batch prompt_pos"],
     max_new_tokens: int,
     stop_token_ids: Collection[int] = (),
@@ -64,7 +67,9 @@ def greedy_tokens(
     return tokens
 
 
-def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+def greedy_text(
+    model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
+) -> str:
     """Greedy continuation of ``prompt`` up to end-of-text (special tokens dropped). The prompt is
     encoded on its own, without special tokens, exactly as in training."""
     if not _is_bridge(model):
@@ -83,7 +88,7 @@ def greedy_text(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
 @torch.no_grad()
 def greedy_texts(
     model: PreTrainedModel,
-    tokenizer,
+    tokenizer: Tokenizer,
     prompts: list[str],
     max_new_tokens: int,
     batch_size: int = 1,
@@ -135,7 +140,7 @@ def greedy_texts(
 
 @torch.no_grad()
 def verified_greedy(
-    bridge,
+    bridge: TransformerBridge,
     prompt_ids: Int[Tensor, "1 prompt_pos"],
     max_new_tokens: int,
     stop_token_ids: Collection[int],

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
+from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.task.examples import Example, generate_examples, near_miss_named
 
 ELICITATION_KIND = "region"  # the ICD decision read out before it is written
@@ -32,8 +33,8 @@ def task_examples(
 
 
 def characterize_task(
-    model,
-    tokenizer,
+    model: HookedModel,
+    tokenizer: Tokenizer,
     examples: Sequence[Any],
     reference: Sequence[Any],
     config: CharacterizeConfig = CharacterizeConfig(),

@@ -33,10 +33,12 @@ from typing import Sequence
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from transformer_lens.model_bridge import TransformerBridge
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mistill_lens import task
 from mistill_lens.lens.events import events_from_spans
+from mistill_lens.lens.model_types import Tokenizer
 from mistill_lens.models.checkpoints import to_bridge
 from mistill_lens.models.generate import verified_greedy
 from mistill_lens.models.gguf import chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
@@ -120,7 +122,7 @@ def parse_answer(output: str) -> tuple[str, int] | None:
 
 
 def _departure(
-    tokenizer,
+    tokenizer: Tokenizer,
     prompt: str,
     output: str,
     kind: str,
@@ -142,7 +144,7 @@ def _departure(
 
 
 def strongest_contrast_event(
-    tokenizer,
+    tokenizer: Tokenizer,
     logits: Float[Tensor, "pos vocab"],
     prompt: str,
     output: str,
@@ -165,7 +167,7 @@ def strongest_contrast_event(
 
 
 def answer_events(
-    tokenizer,
+    tokenizer: Tokenizer,
     logits: Float[Tensor, "pos vocab"],
     prompt: str,
     output: str,
@@ -210,7 +212,7 @@ def answer_events(
 
 
 def zero_shot_example(
-    bridge,
+    bridge: TransformerBridge,
     tokenizer: PreTrainedTokenizerBase,
     example: task.Example,
     draft: PreTrainedModel | None = None,
@@ -234,8 +236,8 @@ def zero_shot_example(
 
 
 def zero_shot_examples(
-    bridge,
-    tokenizer,
+    bridge: TransformerBridge,
+    tokenizer: Tokenizer,
     examples: Sequence[task.Example],
     draft: PreTrainedModel | None = None,
     max_new_tokens: int = MAX_NEW_TOKENS,
