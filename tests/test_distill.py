@@ -22,6 +22,7 @@ from mistill_lens.distill.attention import (
     pattern_recorder,
     pooled_attention,
     student_item,
+    teacher_event_attention,
     teacher_head_sets,
 )
 from mistill_lens.distill.data import as_generated, generation_events
@@ -47,6 +48,7 @@ from mistill_lens.distill.training import (
 )
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
+from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.models.checkpoints import (
     CheckpointError,
@@ -253,6 +255,19 @@ def test_targets_are_distributions_over_the_student_context(teacher, examples):
         assert target.shape == (q + 1,) and not target.requires_grad
         torch.testing.assert_close(target.sum(), torch.tensor(1.0))
         assert (target >= 0).all()
+
+
+def test_targets_on_the_engine_equal_the_full_forward_patterns(teacher, examples):
+    bridge, tokenizer = teacher
+    heads = teacher_head_sets(TEACHER_HEADS)
+    engine = InterventionEngine(bridge)
+    for index in range(3):
+        encoded = events_from_spans(examples[index], tokenizer, index)
+        full = teacher_event_attention(bridge, encoded, heads)
+        rows = teacher_event_attention(engine, encoded, heads)
+        assert len(rows) == len(full) == len(encoded.events) > 0
+        for a, b in zip(rows, full):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, examples):

@@ -2,7 +2,8 @@
 
 Target of one event: the teacher's attention from the position that predicts the event token
 (its ``predict_position``) over its source positions, averaged over the characterised heads of
-the event's kind, read from ``hook_pattern`` with ``run_with_cache``; then moved onto the
+the event's kind (on the InterventionEngine: those rows alone, from one clean pass with
+memory-efficient attention; on a bridge: ``hook_pattern`` with ``run_with_cache``); then moved onto the
 student's tokens by character overlap (:mod:`mistill_lens.distill.align`). Events are placed in
 each tokenizer by :func:`mistill_lens.lens.events.events_from_spans`, the characterisation's own
 placement, so teacher and student events pair up one to one.
@@ -22,7 +23,8 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.distill.align import require_offsets, transfer_mass
-from mistill_lens.lens.events import EncodedExample, events_from_spans
+from mistill_lens.lens.engine import InterventionEngine
+from mistill_lens.lens.events import EncodedExample, events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.training.loop import collate, encode
@@ -70,7 +72,8 @@ def teacher_event_attention(
     teacher: HookedModel, encoded: EncodedExample, heads_by_kind: Mapping[str, Sequence[Head]]
 ) -> list[Float[Tensor, "key"]]:
     """Per event of `encoded`: the teacher's attention row at its predicting position over source
-    positions ``0..predict_position``, averaged over the event kind's heads."""
+    positions ``0..predict_position``, averaged over the event kind's heads. On an
+    :class:`InterventionEngine` only those rows are computed (no [T, T] pattern)."""
     if not encoded.events:
         return []
     for kind in {e.kind for e in encoded.events}:
@@ -78,16 +81,27 @@ def teacher_event_attention(
             raise KeyError(f"no teacher head set for event kind {kind!r}")
         validate_heads(teacher, heads_by_kind[kind])  # raises on an empty or out-of-range set
     layers = sorted({layer for e in encoded.events for layer, _ in heads_by_kind[e.kind]})
-    names = [pattern_name(layer) for layer in layers]
-    width = max(e.position for e in encoded.events)  # the context every event's prediction needs
-    _, cache = teacher.run_with_cache(torch.tensor([encoded.tokens[:width]]), names_filter=names)
+    if isinstance(teacher, InterventionEngine):  # the event rows alone, from one clean pass
+        batch = make_event_batch([encoded])
+        per_layer = {layer: teacher.event_patterns(batch, layer) for layer in layers}
+    else:
+        width = max(e.position for e in encoded.events)  # the context every prediction needs
+        _, cache = teacher.run_with_cache(
+            torch.tensor([encoded.tokens[:width]]),
+            names_filter=[pattern_name(layer) for layer in layers],
+        )
+        queries = torch.tensor([e.predict_position for e in encoded.events])
+        per_layer = {
+            layer: einops.rearrange(
+                cache[pattern_name(layer)][0, :, queries], "head event key -> event head key"
+            )
+            for layer in layers
+        }
     rows = []
-    for event in encoded.events:
+    for row, event in enumerate(encoded.events):
         q = event.predict_position
         heads = heads_by_kind[event.kind]
-        per_head = torch.stack(
-            [cache[pattern_name(layer)][0, head, q, : q + 1] for layer, head in heads]
-        )
+        per_head = torch.stack([per_layer[layer][row, head, : q + 1] for layer, head in heads])
         rows.append(per_head.float().mean(dim=0))
     return rows
 

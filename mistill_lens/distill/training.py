@@ -28,6 +28,7 @@ from mistill_lens.distill.attention import (
     pooled_attention,
     student_item,
 )
+from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
 from mistill_lens.lens.fingerprint import value_digest
 from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
@@ -140,7 +141,14 @@ def distillation_items(
     heads_by_kind: Mapping[str, Sequence[Head]],
     n_ctx: int,
 ) -> tuple[list[DistillItem], int]:
-    """Items for every example that fits the student's context, and how many did not fit."""
+    """Items for every example that fits the student's context, and how many did not fit. The
+    teacher's attention rows come from the InterventionEngine where it supports the teacher."""
+    try:
+        teacher = (
+            teacher if isinstance(teacher, InterventionEngine) else InterventionEngine(teacher)
+        )
+    except EngineUnsupported:  # the full forward gives the same rows, at T^2 memory
+        pass
     items, too_long = [], 0
     for index, example in enumerate(examples):
         if len(encode(student_tokenizer, example.prompt, example.output)[0]) > n_ctx:

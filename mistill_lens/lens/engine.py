@@ -215,7 +215,10 @@ def unbridged(model: TransformerBridge) -> PreTrainedModel:
     missing = sorted(set(wanted) - set(state))
     if missing:
         raise EngineUnsupported(f"cannot find these weights behind the model: {missing[:3]}")
+    frozen = {name: state[name].requires_grad for name in wanted}
     twin.load_state_dict({name: state[name] for name in wanted}, assign=True)
+    for name in wanted:  # loading sets the twin's flag on the shared tensors: keep the model's
+        state[name].requires_grad_(frozen[name])
     if getattr(hf.config, "tie_word_embeddings", False):
         twin.tie_weights()
     return twin.to(next(hf.parameters()).device).eval()
