@@ -231,6 +231,49 @@ def scaling_benchmark(
     return result
 
 
+def long_context_benchmark(k: int = 5651, seed: int = 0) -> dict[str, Any]:
+    """The whole characterisation (attribution, exact sweeps of every head on the decided and
+    null events, calibration, circuit measures, families, ablation curve) of one held-out example
+    at K candidates, on the engine, with the scaling model (rotary positions long enough): time,
+    peak resident memory, context tokens and what it found. The means come from the example
+    itself (one example only: recorded among the warnings)."""
+    import resource
+
+    from mistill_lens.lens.characterize import CharacterizeConfig, characterize
+
+    model, tokenizer = scaling_model(seed)
+    example = task.generate_examples(1, seed, "heldout", k=k, max_mentions=4)
+    tokens = len(events_from_spans(example[0], tokenizer, 0).tokens)
+    if tokens > model.cfg.n_ctx:
+        raise ValueError(f"K={k} reaches {tokens} tokens, beyond the model's {model.cfg.n_ctx}")
+    config = CharacterizeConfig(seed=seed, progress=False, curve_points=2, min_events_per_kind=1)
+    started = time.perf_counter()
+    found = characterize(
+        model,
+        tokenizer,
+        example,
+        example,
+        config,
+        provenance={"warnings": ["one example: the means come from the example itself"]},
+    )
+    seconds = time.perf_counter() - started
+    return {
+        "bench": "long_context",
+        "model": "random Llama, 4 x 4 heads, d 128",
+        "k": k,
+        "tokens": tokens,
+        "events": found.n_events,
+        "decided_events": found.n_decided_events,
+        "null_events": found.n_null_events,
+        "heads_swept": found.n_heads_swept,
+        "circuit": [list(h) for h in found.circuit],
+        "seconds": round(seconds, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "warnings": found.warnings,
+        "seed": seed,
+    }
+
+
 def loglog_slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of log(y) on log(x) over the positive pairs: the growth exponent."""
     import math

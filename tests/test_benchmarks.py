@@ -5,6 +5,7 @@ from mistill_lens.benchmarks import (
     attribution_benchmark,
     distill_step_benchmark,
     loglog_slope,
+    long_context_benchmark,
     scaling_benchmark,
     sweep_benchmark,
 )
@@ -26,6 +27,13 @@ def test_scaling_benchmark_smoke():
     assert modes == [("engine", 13), ("engine", 16), ("loop", 13)]
     assert result["points"][1]["tokens"] > result["points"][0]["tokens"]
     assert result["engine_time_exponent"] is not None
+
+
+def test_long_context_benchmark_smoke():
+    result = long_context_benchmark(k=13, seed=0)
+    assert result["tokens"] > 0 and 0 < result["decided_events"] <= result["events"]
+    assert result["heads_swept"] == 16 and result["null_events"] == result["decided_events"]
+    assert any("one example" in w for w in result["warnings"])
 
 
 def test_loglog_slope_recovers_a_power_law():

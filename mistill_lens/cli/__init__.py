@@ -143,6 +143,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.name == "distill_step":
         result = benchmarks.distill_step_benchmark(args.family, seed=args.seed)
+    elif args.name == "long_context":
+        result = benchmarks.long_context_benchmark(args.k, seed=args.seed)
     elif args.name == "scaling":
         try:
             ks = tuple(int(k) for k in args.ks.split(","))
@@ -452,10 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "name",
-        choices=["sweep", "attribution", "scaling", "distill_step"],
+        choices=["sweep", "attribution", "scaling", "long_context", "distill_step"],
         help="sweep: every head x every event on --model; attribution: its cost in clean-pass "
         "equivalents and rank correlation with the sweep; scaling: engine and loop time and "
-        "memory against K on a random Llama of the teacher's shape; distill_step: a MISTILL step "
+        "memory against K on a random Llama of the teacher's shape; long_context: the whole "
+        "characterisation of one example at --k on that model; distill_step: a MISTILL step "
         "against a CoT step (time and memory ratios)",
     )
     bench.add_argument(
