@@ -1,4 +1,5 @@
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -54,11 +55,44 @@ def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
         written = plot.write_figure(figure, tmp_path / name)
         assert written[0] == tmp_path / name
         html = (tmp_path / name).read_text()
-        assert 'src="plotly.min.js"' in html and len(html) < 200_000
-    assert (tmp_path / "plotly.min.js").stat().st_size > 1_000_000
+        # self-contained: plotly.js inside, nothing loaded from beside the file or the network
+        assert not re.findall(r"<script[^>]*src=", html)
+        assert len(html) > 1_000_000
+    assert not (tmp_path / "plotly.min.js").exists()
     assert len(figures["maps.html"].data) == 4  # raw and calibrated, per kind
     best = figures["early.html"].data[0]
     assert list(best.x) == [1, 2] and list(best.y) == [1.0, 0.8]  # the best stage per k
+
+
+def test_head_maps_are_centred_share_one_scale_and_mark_circuit_and_unswept_heads(calibration):
+    kinds = calibration.kinds
+    circuits = {kinds[0]: [DECIDER]}
+    swept = [h for h in all_heads_of(calibration) if h != (1, 3)]
+    fig = plot.head_map_figure(calibration, circuits, z_min=3.0, swept=swept)
+    heatmaps = [t for t in fig.data if t.type == "heatmap"]
+    assert len(heatmaps) == 2 * len(kinds)
+    # one colour axis for every raw panel, one for every z panel: a z is the same colour in any row
+    assert {t.coloraxis for t in heatmaps[0::2]} == {"coloraxis"}
+    assert {t.coloraxis for t in heatmaps[1::2]} == {"coloraxis2"}
+    for axis in (fig.layout.coloraxis, fig.layout.coloraxis2):
+        assert axis.cmin == -axis.cmax and axis.colorscale[0][1] != axis.colorscale[-1][1]
+    z_max = float(calibration.z.abs().max())
+    assert fig.layout.coloraxis2.cmax == pytest.approx(max(z_max, 3.0))
+    assert "3 (threshold)" in fig.layout.coloraxis2.colorbar.ticktext
+    # the unswept head is a gap on the grey background, not a zero effect
+    assert all(t.z[1][3] is None for t in heatmaps) and fig.layout.plot_bgcolor == "#bdbdbd"
+    assert heatmaps[0].z[0][0] is not None
+    outlines = [t for t in fig.data if t.type == "scatter"]
+    assert len(outlines) == 2 and all(
+        (list(t.y), list(t.x)) == ([DECIDER[0]], [DECIDER[1]]) for t in outlines
+    )
+    assert fig.layout.yaxis.autorange == "reversed"  # layer 0 at the top, as imshow draws it
+    assert f"n={calibration.n_events[0]} events" in fig.layout.annotations[0].text
+
+
+def all_heads_of(calibration):
+    n_layers, n_heads = calibration.null_mean.shape
+    return [(l, h) for l in range(n_layers) for h in range(n_heads)]
 
 
 def test_rank_correlation():

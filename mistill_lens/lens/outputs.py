@@ -115,7 +115,11 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
     (out_dir / "heads.json").write_text(json.dumps(result.heads_table(), indent=2))
     figures = out_dir / "figures"
     figures.mkdir()
-    plot.write_figure(plot.head_map_figure(result.calibration), figures / "head_maps.html")
+    swept = {(int(l), int(h)) for l, h in zip(result.sweep.layer, result.sweep["head"])}
+    plot.write_figure(
+        plot.head_map_figure(result.calibration, result.circuits, result.config.z_min, swept),
+        figures / "head_maps.html",
+    )
     plot.write_figure(
         plot.ablation_curve_figure(result.ablation_curve), figures / "ablation_curve.html"
     )

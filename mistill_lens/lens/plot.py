@@ -1,57 +1,118 @@
-"""plotly figures of the characterisation, written as HTML (and PNG where kaleido works).
-
-All HTML files in one folder share one `plotly.min.js` written beside them, so the figures open
-offline without repeating the 4 MB bundle in every file.
+"""plotly figures of the characterisation, written as self-contained HTML (and PNG where kaleido
+works): each file carries plotly.js, so it opens offline on its own.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable, Mapping, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.offline import get_plotlyjs
+import torch
 from plotly.subplots import make_subplots
 
 from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.hooks import Head
 
 
-def head_map_figure(calibration: Calibration) -> go.Figure:
-    """Layer x head maps per event kind: raw mean effect next to the calibrated z-score."""
+def head_map_figure(
+    calibration: Calibration,
+    circuits: Mapping[str, Sequence[Head]] | None = None,
+    z_min: float | None = None,
+    swept: Iterable[Head] | None = None,
+) -> go.Figure:
+    """Layer x head maps per event kind: raw mean effect (logits) next to the calibrated z-score.
+
+    Both on diverging scales centred at zero, each with one scale shared by every kind (a z of 2
+    is the same colour in every row); each kind's circuit heads are outlined, the z threshold is
+    marked on the z colour bar; heads not swept (`swept` given) are grey, never a zero effect.
+    Layer 0 is at the top, as in TransformerLens's and plotly's `imshow` maps."""
     kinds = calibration.kinds
     counts = dict(zip(kinds, calibration.n_events))
+    n_layers, n_heads = calibration.null_mean.shape
+    unswept = torch.zeros(n_layers, n_heads, dtype=torch.bool)
+    if swept is not None:
+        unswept[:] = True
+        for layer, head in swept:
+            unswept[layer, head] = False
+    raw = calibration.raw.masked_fill(unswept, float("nan"))
+    z = calibration.z.masked_fill(unswept, float("nan"))
+    raw_span = max(float(raw.nan_to_num(0).abs().max()), 1e-6)
+    z_span = max(float(z.nan_to_num(0).abs().max()), z_min or 0.0, 1e-6)
+    threshold = f", circuit z >= {z_min:g} outlined" if z_min is not None else ""
     titles = [
-        f"{kind} (n={counts.get(kind, '?')}): {what}"
+        f"{kind} (n={counts.get(kind, '?')} events): {what}"
         for kind in kinds
-        for what in ("raw effect (logits)", "calibrated (z vs null)")
+        for what in ("raw effect (logits)", "calibrated z vs null")
     ]
-    fig = make_subplots(rows=len(kinds), cols=2, subplot_titles=titles, horizontal_spacing=0.12)
+    fig = make_subplots(
+        rows=len(kinds),
+        cols=2,
+        subplot_titles=titles,
+        horizontal_spacing=0.2,
+        vertical_spacing=0.5 / max(len(kinds), 1) / 2,
+    )
     for row, kind in enumerate(kinds, start=1):
         k = calibration.kind_index(kind)
-        for col, (values, scale) in enumerate(
-            ((calibration.raw[k], "Blues"), (calibration.z[k], "RdBu_r")), start=1
+        for col, (values, axis) in enumerate(
+            ((raw[k], "coloraxis"), (z[k], "coloraxis2")), start=1
         ):
             fig.add_trace(
                 go.Heatmap(
-                    z=values.tolist(),
-                    colorscale=scale,
-                    zmid=0 if col == 2 else None,
-                    colorbar=dict(
-                        len=1 / len(kinds),
-                        y=1 - (row - 0.5) / len(kinds),
-                        x=0.45 if col == 1 else 1.0,
-                    ),
-                    hovertemplate="layer %{y}, head %{x}: %{z:.3g}<extra></extra>",
+                    z=[[None if v != v else v for v in line] for line in values.tolist()],
+                    coloraxis=axis,
+                    hovertemplate="L%{y}H%{x}: %{z:.3g}<extra>" + kind + "</extra>",
                 ),
                 row=row,
                 col=col,
             )
-            fig.update_xaxes(title_text="head", row=row, col=col)
-            fig.update_yaxes(title_text="layer", row=row, col=col)
+            heads = list((circuits or {}).get(kind, []))
+            if heads:
+                fig.add_trace(
+                    go.Scatter(
+                        x=[h for _, h in heads],
+                        y=[l for l, _ in heads],
+                        mode="markers",
+                        marker=dict(
+                            symbol="square-open", size=18, color="black", line=dict(width=2)
+                        ),
+                        name="circuit",
+                        showlegend=False,
+                        hovertemplate="circuit head L%{y}H%{x}<extra></extra>",
+                    ),
+                    row=row,
+                    col=col,
+                )
+            fig.update_xaxes(title_text="head", dtick=1, row=row, col=col)
+            fig.update_yaxes(title_text="layer", autorange="reversed", row=row, col=col)
+    z_ticks = sorted({0.0, round(z_span, 1), round(-z_span, 1), *([z_min] if z_min else [])})
     fig.update_layout(
-        title=f"Head scores per event kind ({calibration.n_null} null events)",
-        height=320 * len(kinds),
-        width=900,
+        title=f"Head effects per event kind ({calibration.n_null} null events{threshold}; grey: not swept)",
+        coloraxis=dict(
+            colorscale="RdBu_r",
+            cmin=-raw_span,
+            cmax=raw_span,
+            colorbar=dict(title="logits", x=0.41, len=0.9),
+        ),
+        coloraxis2=dict(
+            colorscale="RdBu_r",
+            cmin=-z_span,
+            cmax=z_span,
+            colorbar=dict(
+                title="z",
+                x=1.02,
+                len=0.9,
+                tickvals=z_ticks,
+                ticktext=[
+                    f"{t:g} (threshold)" if z_min is not None and t == z_min else f"{t:g}"
+                    for t in z_ticks
+                ],
+            ),
+        ),
+        plot_bgcolor="#bdbdbd",
+        height=300 * len(kinds) + 120,
+        width=1000,
     )
     return fig
 
@@ -130,13 +191,12 @@ def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
 
 
 def write_figure(fig: go.Figure, path: Path) -> list[Path]:
-    """Write `path` (.html) and, if kaleido can render, the same name as .png. Returns what was written."""
+    """Write `path` (.html, self-contained: plotly.js inline, so the file opens offline on its own
+    wherever it is copied) and, if kaleido can render, the same name as .png. Returns what was
+    written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    bundle = path.parent / "plotly.min.js"
-    if not bundle.exists():
-        bundle.write_text(get_plotlyjs(), encoding="utf-8")
-    fig.write_html(path, include_plotlyjs="directory")
+    fig.write_html(path, include_plotlyjs=True)
     written = [path]
     try:
         fig.write_image(path.with_suffix(".png"))
