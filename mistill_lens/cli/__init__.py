@@ -173,6 +173,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from mistill_lens.report import write_report
+
+    path = write_report(args.runs, args.out)
+    print(json.dumps({"report": str(path), "runs": len(args.runs)}))
+
+
 def cmd_build_tokenizers(args: argparse.Namespace) -> None:
     from mistill_lens.runs import claim_run_dir
     from mistill_lens.task.build_tokenizers import build_and_save
@@ -493,6 +500,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("examples and heads"))
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(func=cmd_bench)
+
+    report = sub.add_parser(
+        "report",
+        help="one self-contained HTML report (figures, numbers, sample sizes, commands) over "
+        "characterisation and distillation folders",
+    )
+    report.add_argument(
+        "--runs", nargs="+", required=True, help="characterize or distill output folders"
+    )
+    report.add_argument(
+        "--out", required=True, help="report folder (new, empty or an earlier report)"
+    )
+    report.set_defaults(func=cmd_report)
 
     from mistill_lens.cli.distill import add_distill_parsers
 
