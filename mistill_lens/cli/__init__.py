@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(json.dumps({k: metadata[k] for k in ("step", "n_params", "train_time_s", "final_loss")}))
 
 
-def cmd_evaluate(args: argparse.Namespace) -> None:
+def cmd_evaluate(args: argparse.Namespace) -> dict:
     from mistill_lens import task
     from mistill_lens.models.checkpoints import load_hf_model, read_metadata
     from mistill_lens.runs import claim_output_file
@@ -136,6 +136,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         )
     scores.update(split=args.split, seed=args.seed, **config)
     print(json.dumps(scores))
+    return scores
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -188,7 +189,7 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
     print(json.dumps({"out": args.out}))
 
 
-def cmd_characterize(args: argparse.Namespace) -> None:
+def cmd_characterize(args: argparse.Namespace) -> dict:
     from mistill_lens.cli import characterize
     from mistill_lens.lens.outputs import claim_characterize_dir
 
@@ -202,16 +203,18 @@ def cmd_characterize(args: argparse.Namespace) -> None:
             raise ValueError(
                 "--examples runs a checkpoint folder or 'default' on your examples, not 'smollm2'"
             )
-        characterize.run_examples(args)
+        return characterize.run_examples(args)
     elif args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
         from mistill_lens.task.zero_shot import SMOLLM2_TASK_DEFAULTS
 
-        characterize.run_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
+        return characterize.run_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
     else:
         from mistill_lens.models.checkpoints import read_metadata
 
-        characterize.run_task(args, _task_config(args, read_metadata(args.model).get("config")))
+        return characterize.run_task(
+            args, _task_config(args, read_metadata(args.model).get("config"))
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,9 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=cmd_report)
 
+    from mistill_lens.cli.demo import add_demo_parser
     from mistill_lens.cli.distill import add_distill_parsers
 
     add_distill_parsers(sub)
+    add_demo_parser(sub)
     return parser
 
 
