@@ -1,0 +1,24 @@
+"""The README's quickstart runs as written."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).parent.parent / "README.md"
+
+
+def section(text: str, title: str) -> str:
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def test_the_readme_quickstart_runs(tmp_path, monkeypatch, capsys):
+    quickstart = section(README.read_text(), "Quickstart")
+    code = re.findall(r"```python\n(.*?)```", quickstart, re.S)
+    assert len(code) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code[0], "README quickstart", "exec"), namespace)
+    found = namespace["found"]
+    assert found.circuit and (tmp_path / "runs" / "quickstart" / "summary.json").is_file()
+    assert str(found.circuit) in capsys.readouterr().out
