@@ -22,3 +22,20 @@ def test_the_readme_quickstart_runs(tmp_path, monkeypatch, capsys):
     found = namespace["found"]
     assert found.circuit and (tmp_path / "runs" / "quickstart" / "summary.json").is_file()
     assert str(found.circuit) in capsys.readouterr().out
+
+
+def test_every_command_help_shows_its_defaults():
+    from mistill_lens.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"characterize", "demo", "report", "distill", "evaluate", "train"} <= set(commands)
+    for name, command in commands.items():
+        shown = " ".join(command.format_help().split())
+        for action in command._actions:
+            if not action.option_strings or action.default in (None, False, "==SUPPRESS=="):
+                continue
+            helped = " ".join((action.help or "").split())
+            assert "default" in helped or f"(default: {action.default})" in shown, (
+                f"{name} {action.option_strings[0]}: its default {action.default!r} is not shown"
+            )

@@ -217,6 +217,20 @@ def cmd_characterize(args: argparse.Namespace) -> dict:
         )
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and "default" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mistill_lens.distill import FAMILIES
     from mistill_lens.task.examples import SPLITS
@@ -232,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data.add_argument("--n", type=POSITIVE_INT, required=True, help="number of examples")
     data.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
-    data.add_argument("--split", choices=SPLITS, default="train")
+    data.add_argument(
+        "--split", choices=SPLITS, default="train", help="train, validation or held-out codes"
+    )
     data.add_argument(
         "--out", required=True, help="output .jsonl file (a new file: never overwritten)"
     )
@@ -334,7 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)"
     )
-    evaluate.add_argument("--split", choices=SPLITS, default="heldout")
+    evaluate.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="heldout",
+        help="examples whose gold codes are from this split (held-out: never gold in training)",
+    )
     evaluate.add_argument(
         "--n", type=POSITIVE_INT, default=200, help="examples to decode (default 200)"
     )
@@ -406,7 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     characterize.add_argument(
         "--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event")
     )
-    characterize.add_argument("--split", choices=SPLITS, default="validation")
+    characterize.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="heldout",
+        help="examples whose gold codes are from this split (as evaluate)",
+    )
     characterize.add_argument(
         "--out",
         required=True,
@@ -522,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_distill_parsers(sub)
     add_demo_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = DefaultsShown
     return parser
 
 

@@ -181,14 +181,19 @@ def add_distill_parsers(sub) -> None:
         "--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family"
     )
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32-master")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32-master",
+        help="student weights and compute: bf16, or fp32 master weights with bf16 compute",
+    )
     parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument(
         "--out", required=True, help="student checkpoint folder; rerun the same command to resume"
     )
-    parser.add_argument("--steps", type=POSITIVE_INT, default=300)
-    parser.add_argument("--batch-size", type=POSITIVE_INT, default=4)
-    parser.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3)
+    parser.add_argument("--steps", type=POSITIVE_INT, default=300, help="optimizer steps")
+    parser.add_argument("--batch-size", type=POSITIVE_INT, default=4, help="examples per step")
+    parser.add_argument("--lr", type=POSITIVE_FLOAT, default=1e-3, help="peak learning rate")
     parser.add_argument(
         "--attention-weight",
         type=NON_NEGATIVE_FLOAT,
@@ -229,7 +234,9 @@ def add_distill_parsers(sub) -> None:
         default=None,
         help="comma-separated LAYER.HEAD student heads whose attention is pooled (instead of --student-layers)",
     )
-    parser.add_argument("--checkpoint-every", type=POSITIVE_INT, default=100)
+    parser.add_argument(
+        "--checkpoint-every", type=POSITIVE_INT, default=100, help="steps between checkpoints"
+    )
     parser.add_argument(
         "--n-train",
         type=POSITIVE_INT,
