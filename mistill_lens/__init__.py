@@ -72,6 +72,7 @@ _API = {
         "necessity",
         "sufficiency",
         "knock_in_transfer",
+        "knock_in_donors",
         "ablation_curve",
         "phase_structure",
         "family_targets",
@@ -98,12 +99,16 @@ _API = {
         "ablation_curve_figure",
         "attention_families_figure",
         "elicitation_figure",
+        "event_margins_figure",
+        "attention_row_figure",
+        "token_labels",
         "write_figure",
     ),
     "mistill_lens.task.characterize": ("characterize_task", "task_examples"),
     "mistill_lens.task.examples": ("generate_examples",),
     "mistill_lens.distill.teacher": ("teacher_characterization", "teacher_task_config"),
 }
+_API["transformer_lens.utilities"] = ("get_act_name",)  # hook names, as TransformerLens spells them
 _WHERE = {name: module for module, names in _API.items() for name in names}
 __all__ = sorted(_WHERE)
 

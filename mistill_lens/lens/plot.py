@@ -1,5 +1,5 @@
-"""plotly figures of the characterisation, written as self-contained HTML (and PNG where kaleido
-works): each file carries plotly.js, so it opens offline on its own.
+"""plotly figures of the characterisation, written as self-contained HTML (and PNG on request,
+where kaleido works): each file carries plotly.js, so it opens offline on its own.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from mistill_lens.lens.calibration import Calibration
+from mistill_lens.lens.events import EncodedExample
 from mistill_lens.lens.hooks import Head
 
 
@@ -190,17 +191,84 @@ def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def write_figure(fig: go.Figure, path: Path) -> list[Path]:
+def token_labels(encoded: EncodedExample) -> list[str]:
+    """Each token's text from the example's character offsets, numbered so every label is unique
+    (plotly merges equal category labels)."""
+    return [
+        f"{i}:{encoded.text[start:end].replace(chr(10), '⏎')}"
+        for i, (start, end) in enumerate(encoded.offsets)
+    ]
+
+
+def event_margins_figure(
+    encoded: EncodedExample, margins: Sequence[float], first: int | None = None
+) -> go.Figure:
+    """The example's tokens (from `first`, default the start of the output) with the decision
+    margin of each event drawn at its token, coloured by kind: where the model decides, and how
+    firmly (logit(chosen) - logit(contrast); below zero it prefers the contrast)."""
+    labels = token_labels(encoded)
+    first = encoded.prompt_tokens if first is None else first
+    fig = go.Figure(
+        go.Bar(
+            x=labels[first:],
+            y=[0.0] * (len(labels) - first),
+            marker_color="#dddddd",
+            showlegend=False,
+            hoverinfo="x",
+        )
+    )
+    for kind in dict.fromkeys(e.kind for e in encoded.events):
+        rows = [(e, m) for e, m in zip(encoded.events, margins) if e.kind == kind]
+        fig.add_trace(
+            go.Bar(
+                x=[labels[e.position] for e, _ in rows],
+                y=[float(m) for _, m in rows],
+                name=f"{kind} (n={len(rows)})",
+                hovertemplate="%{x}: margin %{y:.2f}<extra>" + kind + "</extra>",
+            )
+        )
+    fig.update_layout(
+        title=f"Decision margins at the events of example {encoded.example_id} (tokens from {first})",
+        xaxis=dict(
+            title="token", tickangle=-60, categoryorder="array", categoryarray=labels[first:]
+        ),
+        yaxis_title="margin (logits)",
+        barmode="overlay",
+        height=420,
+    )
+    return fig
+
+
+def attention_row_figure(
+    encoded: EncodedExample, row: Sequence[float], query: int, title: str, first: int = 0
+) -> go.Figure:
+    """One attention row over the example's tokens, token-labelled: where a head looks from
+    position `query` (the predicting position of an event)."""
+    labels = token_labels(encoded)[first : query + 1]
+    values = [float(v) for v in list(row)[first : query + 1]]
+    fig = go.Figure(go.Bar(x=labels, y=values, hovertemplate="%{x}: %{y:.3f}<extra></extra>"))
+    fig.update_layout(
+        title=title,
+        xaxis=dict(title=f"source token (query: {labels[-1]})", tickangle=-60),
+        yaxis_title="attention",
+        height=450,
+        width=1000,
+    )
+    return fig
+
+
+def write_figure(fig: go.Figure, path: Path, png: bool = False) -> list[Path]:
     """Write `path` (.html, self-contained: plotly.js inline, so the file opens offline on its own
-    wherever it is copied) and, if kaleido can render, the same name as .png. Returns what was
-    written."""
+    wherever it is copied) and, with `png`, the same name as .png where kaleido can render (it
+    drives a local Chromium). Returns what was written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.write_html(path, include_plotlyjs=True)
     written = [path]
-    try:
-        fig.write_image(path.with_suffix(".png"))
-        written.append(path.with_suffix(".png"))
-    except (ImportError, ValueError, RuntimeError):
-        pass  # no working kaleido here: HTML only
+    if png:
+        try:
+            fig.write_image(path.with_suffix(".png"))
+            written.append(path.with_suffix(".png"))
+        except (ImportError, ValueError, RuntimeError):
+            pass  # no working kaleido here: HTML only
     return written
