@@ -35,8 +35,7 @@ from mistill_lens.task.examples import (
     REASONING_HEADER,
     Event,
 )
-from mistill_lens.task.icd import region_of, suffix_of
-from mistill_lens.task.zero_shot import strongest_contrast_event
+from mistill_lens.task.zero_shot import code_events
 
 NOTES = Path("note") / "discharge.csv.gz"
 DIAGNOSES = Path("hosp") / "diagnoses_icd.csv.gz"
@@ -182,42 +181,20 @@ def written_code_events(
     the same category's other candidates), each against the contrast it preferred least
     (the smallest margin), placed where the pipeline places it."""
     allowed = set(candidates)
-    events = []
-    for match in CODE_PATTERN.finditer(output):
-        code = match.group(0)
-        if code not in allowed:
-            continue
-        start = len(prompt) + match.start()
-        region = region_of(code)
-        events.append(
-            strongest_contrast_event(
-                tokenizer,
-                logits,
-                prompt,
-                output,
-                "region",
-                start,
-                region,
-                [region_of(c) for c in candidates],
-                region,
-            )
+    return tuple(
+        event
+        for match in CODE_PATTERN.finditer(output)
+        if match.group(0) in allowed
+        for event in code_events(
+            tokenizer,
+            logits,
+            prompt,
+            output,
+            len(prompt) + match.start(),
+            match.group(0),
+            candidates,
         )
-        if "." in code:
-            rivals = [suffix_of(c) for c in candidates if region_of(c) == region and c != code]
-            events.append(
-                strongest_contrast_event(
-                    tokenizer,
-                    logits,
-                    prompt,
-                    output,
-                    "within",
-                    start + len(region),
-                    suffix_of(code),
-                    rivals,
-                    region,
-                )
-            )
-    return tuple(e for e in events if e is not None)
+    )
 
 
 @torch.no_grad()

@@ -166,19 +166,18 @@ def strongest_contrast_event(
     return min(scored, key=lambda pair: pair[0])[1] if scored else None
 
 
-def answer_events(
+def code_events(
     tokenizer: Tokenizer,
     logits: Float[Tensor, "pos vocab"],
     prompt: str,
     output: str,
+    start: int,
+    code: str,
     candidates: Sequence[str],
-) -> tuple[str | None, tuple[task.Event, ...]]:
-    """The code the model wrote and its region / within events against the candidates."""
-    parsed = parse_answer(output)
-    if parsed is None:
-        return None, ()
-    code, offset = parsed
-    start = len(prompt) + offset
+) -> tuple[task.Event, ...]:
+    """The decisions in writing `code` at character `start` of ``prompt + output``: its region
+    (against the candidates' regions) and, for a code with a dot, its within-region part (against
+    the region's other candidates), each against its strongest contrast."""
     region = region_of(code)
     events = [
         strongest_contrast_event(
@@ -208,7 +207,24 @@ def answer_events(
                 region,
             )
         )
-    return code, tuple(e for e in events if e is not None)
+    return tuple(e for e in events if e is not None)
+
+
+def answer_events(
+    tokenizer: Tokenizer,
+    logits: Float[Tensor, "pos vocab"],
+    prompt: str,
+    output: str,
+    candidates: Sequence[str],
+) -> tuple[str | None, tuple[task.Event, ...]]:
+    """The code the model wrote and its region / within events against the candidates."""
+    parsed = parse_answer(output)
+    if parsed is None:
+        return None, ()
+    code, offset = parsed
+    return code, code_events(
+        tokenizer, logits, prompt, output, len(prompt) + offset, code, candidates
+    )
 
 
 def zero_shot_example(
