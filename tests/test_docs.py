@@ -39,3 +39,12 @@ def test_every_command_help_shows_its_defaults():
             assert "default" in helped or f"(default: {action.default})" in shown, (
                 f"{name} {action.option_strings[0]}: its default {action.default!r} is not shown"
             )
+
+
+def test_the_cli_reference_page_matches_the_parser():
+    from mistill_lens.cli.reference import reference_markdown
+
+    page = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    assert page == reference_markdown(), (
+        "docs/cli.md is out of date: python -m mistill_lens.cli.reference > docs/cli.md"
+    )
