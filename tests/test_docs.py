@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).parent.parent / "README.md"
 
 
@@ -48,3 +50,20 @@ def test_the_cli_reference_page_matches_the_parser():
     assert page == reference_markdown(), (
         "docs/cli.md is out of date: python -m mistill_lens.cli.reference > docs/cli.md"
     )
+
+
+DOCS = sorted((Path(__file__).parent.parent / "docs").glob("*.md"))
+# ```python blocks run as written; ```python notest marks one that needs the user's own files
+SNIPPETS = [
+    (page, index, code)
+    for page in DOCS
+    for index, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+]
+
+
+@pytest.mark.parametrize(
+    "page, index, code", SNIPPETS, ids=[f"{p.stem}-{i}" for p, i, _ in SNIPPETS]
+)
+def test_doc_snippets_run(page, index, code, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, f"{page.name} snippet {index}", "exec"), {})
