@@ -120,7 +120,7 @@ def characterization_section(found: Characterization, run: Path | str) -> str:
         plot.ablation_curve_figure(found.ablation_curve),
     ]
     if not found.families.empty:
-        figures.append(plot.attention_families_figure(found.families))
+        figures.append(plot.attention_families_figure(found.families, found.circuit))
     if found.elicitation_curve is not None:
         figures.append(plot.elicitation_figure(found.elicitation_curve))
     warnings = "".join(f"<li class='warning'>{html.escape(w)}</li>" for w in found.warnings)

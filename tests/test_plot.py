@@ -171,3 +171,21 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     assert read.summary() == summary
     assert read.circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
     assert median_recovery(tmp_path, kind="within") == read.median_recovery("within")
+
+
+def test_families_figure_shows_the_circuit_and_the_top_heads_per_family():
+    heads = [(l, h) for l in range(30) for h in range(9)]
+    families = pd.DataFrame(
+        {
+            "kind": ["near_miss"] * len(heads),
+            "layer": [l for l, _ in heads],
+            "head": [h for _, h in heads],
+            "ratio_region_candidates": [float(i) for i in range(len(heads))],
+            "ratio_near_miss_mention": [float(-i) for i in range(len(heads))],
+        }
+    )
+    fig = plot.attention_families_figure(families, circuit=[(12, 4)], top=3)
+    labels = list(fig.data[0].x)
+    # the 3 largest of each family (the last heads, the first heads) and the circuit head
+    assert len(labels) == 7 and "L12H4* (near_miss)" in labels
+    assert "L29H8 (near_miss)" in labels and "L0H0 (near_miss)" in labels

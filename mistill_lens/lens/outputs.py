@@ -125,7 +125,8 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
     )
     if not result.families.empty:
         plot.write_figure(
-            plot.attention_families_figure(result.families), figures / "attention_families.html"
+            plot.attention_families_figure(result.families, result.circuit),
+            figures / "attention_families.html",
         )
     if result.elicitation_curve is not None:
         plot.write_figure(

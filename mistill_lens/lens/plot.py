@@ -140,18 +140,33 @@ def ablation_curve_figure(curve: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def attention_families_figure(families: pd.DataFrame) -> go.Figure:
-    """Attention mass of each circuit head to each target family, as a multiple of uniform attention."""
-    fig = go.Figure()
-    counts = families["n_events"] if "n_events" in families else [None] * len(families)
+def attention_families_figure(
+    families: pd.DataFrame, circuit: Iterable[Head] = (), top: int = 3
+) -> go.Figure:
+    """Attention mass to each target family as a multiple of uniform attention, for the circuit's
+    heads and, per kind and family, the `top` heads with the largest ratio (every head when the
+    model has few): where the circuit looks, beside the heads that look there most."""
+    circuit = {tuple(h) for h in circuit}
+    ratios = [c for c in families.columns if c.startswith("ratio_")]
+    keep = pd.Series(
+        [(l, h) in circuit for l, h in zip(families["layer"], families["head"])],
+        index=families.index,
+    )
+    for _, rows in families.groupby("kind", sort=False):
+        for column in ratios:
+            keep[rows[column].nlargest(top).index] = True
+    shown = families[keep]
+    counts = shown["n_events"] if "n_events" in shown else [None] * len(shown)
     labels = [
-        f"L{l}H{h} ({k}{'' if n is None else f', n={n}'})"
-        for k, l, h, n in zip(families["kind"], families["layer"], families["head"], counts)
+        f"L{l}H{h}{'*' if (l, h) in circuit else ''} ({k}{'' if n is None else f', n={n}'})"
+        for k, l, h, n in zip(shown["kind"], shown["layer"], shown["head"], counts)
     ]
-    for column in [c for c in families.columns if c.startswith("ratio_")]:
-        fig.add_trace(go.Bar(x=labels, y=families[column], name=column.removeprefix("ratio_")))
+    fig = go.Figure()
+    for column in ratios:
+        fig.add_trace(go.Bar(x=labels, y=shown[column], name=column.removeprefix("ratio_")))
     fig.update_layout(
-        title="Attention to the region's candidates and to the near-miss mention",
+        title=f"Attention to the region's candidates and to the near-miss mention (* circuit; "
+        f"top {top} heads per kind and family)",
         yaxis_title="attention mass / uniform",
         barmode="group",
     )
