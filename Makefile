@@ -45,8 +45,8 @@ teacher: install
 		tokenizer.json tokenizer_config.json ../../mistill_lens/assets/teacher/
 
 # Retrain the K = 64 teacher (checkpoints/teacher_lora_k64: SmolLM2-135M + a LoRA adapter) with its
-# recorded commands and seeds: 1,600 steps at K = 16 (4,129 s on one thread), then 1,200 at K = 64
-# (9,890 s on one thread); docs/teacher-lora.md has the figures. Both stages resume if interrupted.
+# recorded commands and seeds: 1,600 steps at K = 16 (4,129 s on one thread), 1,200 at K = 64
+# (9,890 s), 600 more at lr 2e-4 (3,997 s); docs/teacher-lora.md has the figures. Each stage resumes.
 teacher-lora: install
 	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --base smollm2 --out runs/teacher_lora \
 		--seed 0 --k 16 --max-mentions 4 --event-weight 3 --lr 5e-4 --batch-size 1 --steps 1600 \
@@ -54,8 +54,11 @@ teacher-lora: install
 	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --base smollm2 --init-from runs/teacher_lora \
 		--out runs/teacher_lora_k64 --seed 1 --k 64 --max-mentions 4 --event-weight 3 --lr 3e-4 \
 		--batch-size 1 --steps 1200 --checkpoint-every 50
+	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --base smollm2 --init-from runs/teacher_lora_k64 \
+		--out runs/teacher_lora_k64_s3 --seed 2 --k 64 --max-mentions 4 --event-weight 3 --lr 2e-4 \
+		--batch-size 1 --steps 600 --checkpoint-every 50
 	mkdir -p checkpoints/teacher_lora_k64
-	cd runs/teacher_lora_k64 && cp adapter_config.json adapter_model.safetensors chat_template.jinja \
+	cd runs/teacher_lora_k64_s3 && cp adapter_config.json adapter_model.safetensors chat_template.jinja \
 		mistill.json tokenizer.json tokenizer_config.json ../../checkpoints/teacher_lora_k64/
 
 # Retrain the shipped base students (checkpoints/base_students/{llama,gpt2}) that `distill
