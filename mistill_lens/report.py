@@ -18,9 +18,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE
-from mistill_lens.lens import plot
 from mistill_lens.lens.characterize import Characterization
-from mistill_lens.lens.outputs import SUMMARY, read_characterization
+from mistill_lens.lens.outputs import SUMMARY, characterization_figures, read_characterization
 from mistill_lens.runs import claim_run_dir
 
 REPORT_FILE = "index.html"
@@ -110,19 +109,7 @@ def characterization_section(found: Characterization, run: Path | str) -> str:
             ["seed", found.config.seed],
         ],
     )
-    figures = [
-        plot.head_map_figure(
-            found.calibration,
-            found.circuits,
-            found.config.z_min,
-            {(int(l), int(h)) for l, h in zip(found.sweep.layer, found.sweep["head"])},
-        ),
-        plot.ablation_curve_figure(found.ablation_curve),
-    ]
-    if not found.families.empty:
-        figures.append(plot.attention_families_figure(found.families, found.circuit))
-    if found.elicitation_curve is not None:
-        figures.append(plot.elicitation_figure(found.elicitation_curve))
+    figures = characterization_figures(found).values()
     warnings = "".join(f"<li class='warning'>{html.escape(w)}</li>" for w in found.warnings)
     command = summary.get("command", "(not recorded: a characterisation run from Python)")
     return (

@@ -580,7 +580,6 @@ def test_median_recovery_resists_one_event_with_a_tiny_margin(tmp_path):
         n_examples=4,
         n_events=4,
         n_null_events=8,
-        n_heads_swept=4,
     )
     # median necessity 0.4 (the -12 outlier does not drag it), median knock-in 0.3 (NaN skipped)
     assert found.median_recovery() == pytest.approx(0.35)

@@ -143,9 +143,11 @@ def distillation_items(
 ) -> tuple[list[DistillItem], int]:
     """Items for every example that fits the student's context, and how many did not fit. The
     teacher's attention rows come from the InterventionEngine where it supports the teacher."""
-    try:
+    try:  # each example's clean pass serves its own events only: keep no more than one
         teacher = (
-            teacher if isinstance(teacher, InterventionEngine) else InterventionEngine(teacher)
+            teacher
+            if isinstance(teacher, InterventionEngine)
+            else InterventionEngine(teacher, cache_bytes=0)
         )
     except EngineUnsupported:  # the full forward gives the same rows, at T^2 memory
         pass

@@ -189,7 +189,6 @@ class Characterization:
     n_examples: int
     n_events: int  # gold events; the decided ones are the rows of `attribution` per head
     n_null_events: int
-    n_heads_swept: int
     warnings: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)  # e.g. the command line
 
@@ -204,6 +203,15 @@ class Characterization:
     @property
     def n_decided_events(self) -> int:
         return int(sum(self.calibration.n_events))
+
+    @property
+    def swept_heads(self) -> set[Head]:
+        """The heads the exact sweep covered (every head, unless `config.sweep_top` chose)."""
+        return {(int(l), int(h)) for l, h in zip(self.sweep.layer, self.sweep["head"])}
+
+    @property
+    def n_heads_swept(self) -> int:
+        return len(self.swept_heads)
 
     def measures(self) -> dict[str, dict[str, Any]]:
         """Per kind: necessity, sufficiency and knock-in of the circuit (means over events, None
@@ -546,7 +554,6 @@ def _characterize(
         n_examples=len(encoded),
         n_events=len(every_event),
         n_null_events=len(nulls),
-        n_heads_swept=len(swept),
         warnings=warned,
     )
 

@@ -227,8 +227,8 @@ def unbridged(model: TransformerBridge) -> PreTrainedModel:
 class InterventionEngine:
     """Exact interventions on `model` at decision events, at the cost of single-position steps.
 
-    ``cache_bytes`` bounds the clean passes kept (least recently used ones are recomputed when
-    needed again); ``chunk`` is the number of items one step batches.
+    ``cache_bytes`` bounds the clean passes kept (the latest is always kept; least recently used
+    ones are recomputed when needed again); ``chunk`` is the number of items one step batches.
     """
 
     def __init__(

@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pandas as pd
+import plotly.graph_objects as go
 import torch
 
 from mistill_lens.lens import plot
@@ -38,26 +39,6 @@ DERIVED_FILES = (
     SUMMARY,
     "figures",
 )
-# summary.json keys that are the characterisation's own; the rest is the caller's provenance
-_OWN_KEYS = {
-    "warnings",
-    "circuit_size",
-    "n_heads_total",
-    "n_heads_swept",
-    "circuit",
-    "n_examples",
-    "n_events",
-    "n_decided_events",
-    "n_null_events",
-    "null_std_floor",
-    "thresholds",
-    "attribution_vs_ablation_spearman",
-    "phase_structure",
-    "top_heads",
-    "families",
-    "elicitation",
-    "config",
-}
 
 
 def claim_characterize_dir(out_dir: str | Path) -> Path:
@@ -113,27 +94,29 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
         if table is not None:
             table.to_csv(out_dir / name, index=False)
     (out_dir / "heads.json").write_text(json.dumps(result.heads_table(), indent=2))
-    figures = out_dir / "figures"
-    figures.mkdir()
-    swept = {(int(l), int(h)) for l, h in zip(result.sweep.layer, result.sweep["head"])}
-    plot.write_figure(
-        plot.head_map_figure(result.calibration, result.circuits, result.config.z_min, swept),
-        figures / "head_maps.html",
-    )
-    plot.write_figure(
-        plot.ablation_curve_figure(result.ablation_curve), figures / "ablation_curve.html"
-    )
-    if not result.families.empty:
-        plot.write_figure(
-            plot.attention_families_figure(result.families, result.circuit),
-            figures / "attention_families.html",
-        )
-    if result.elicitation_curve is not None:
-        plot.write_figure(
-            plot.elicitation_figure(result.elicitation_curve), figures / "elicitation.html"
-        )
+    (out_dir / "figures").mkdir()
+    for name, figure in characterization_figures(result).items():
+        plot.write_figure(figure, out_dir / "figures" / f"{name}.html")
     (out_dir / SUMMARY).write_text(json.dumps(result.summary(), indent=2))
     return out_dir
+
+
+def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
+    """The characterisation's figures by name: head maps and the ablation curve, the attention
+    families and the early-elicitation curve where the run made them."""
+    figures = {
+        "head_maps": plot.head_map_figure(
+            result.calibration, result.circuits, result.config.z_min, result.swept_heads
+        ),
+        "ablation_curve": plot.ablation_curve_figure(result.ablation_curve),
+    }
+    if not result.families.empty:
+        figures["attention_families"] = plot.attention_families_figure(
+            result.families, result.circuit
+        )
+    if result.elicitation_curve is not None:
+        figures["elicitation"] = plot.elicitation_figure(result.elicitation_curve)
+    return figures
 
 
 def _forget_other_sweep(path: Path, table: pd.DataFrame) -> None:
@@ -172,10 +155,10 @@ def read_characterization(out_dir: str | Path) -> Characterization:
     circuits = {kind: [tuple(h) for h in per_kind[kind]["circuit"]] for kind in calibration.kinds}
     circuits["all"] = [tuple(h) for h in summary["circuit"]]
 
-    def table(name: str) -> pd.DataFrame | None:
-        return read_table(out_dir / name) if (out_dir / name).is_file() else None
+    def table(name: str, missing: pd.DataFrame | None = None) -> pd.DataFrame | None:
+        return read_table(out_dir / name) if (out_dir / name).is_file() else missing
 
-    return Characterization(
+    result = Characterization(
         config=config,
         calibration=calibration,
         circuits=circuits,
@@ -183,17 +166,18 @@ def read_characterization(out_dir: str | Path) -> Characterization:
         sweep=table("sweep.csv"),
         null_sweep=table("sweep_null.csv"),
         events=table("events.csv"),
-        families=table("families.csv") if (out_dir / "families.csv").is_file() else pd.DataFrame(),
+        families=table("families.csv", missing=pd.DataFrame()),
         ablation_curve=table("ablation_curve.csv"),
         elicitation=summary["elicitation"],
         elicitation_curve=table("elicitation.csv"),
         n_examples=summary["n_examples"],
         n_events=summary["n_events"],
         n_null_events=summary["n_null_events"],
-        n_heads_swept=summary["n_heads_swept"],
         warnings=summary["warnings"],
-        provenance={k: v for k, v in summary.items() if k not in _OWN_KEYS and k not in per_kind},
     )
+    own = result.summary()  # without provenance: what is left in the file is the caller's
+    result.provenance = {k: v for k, v in summary.items() if k not in own}
+    return result
 
 
 def _read_calibration(
