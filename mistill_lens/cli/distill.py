@@ -23,18 +23,29 @@ from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
 
 def student_architecture_options(args: argparse.Namespace) -> dict:
     """Architecture fields of the run: the base student's with --student-init (explicit sizes must
-    agree with it), else --n-layer/--n-head/--n-embd or their defaults."""
+    agree with it; a Llama's rotary context may grow), else --n-layer/--n-head/--n-embd/--n-ctx
+    or their defaults."""
     sizes = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd}
     if args.student_init is None:
         defaults = {"n_layer": 4, "n_head": 4, "n_embd": 96}
-        return {k: v if v is not None else defaults[k] for k, v in sizes.items()}
+        fresh = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
+        return {**fresh, "n_ctx": args.n_ctx}
     import torch
 
-    from mistill_lens.models.students import load_base_student, student_architecture
+    from mistill_lens.models.students import (
+        DEFAULT_CONTEXT,
+        load_base_student,
+        student_architecture,
+    )
 
     architecture = student_architecture(
         load_base_student(args.student_init, args.student, torch.float32)
     )
+    if args.student == "llama":  # rotary positions: the context grows to a fresh student's
+        wanted = args.n_ctx or DEFAULT_CONTEXT["llama"]
+        architecture["n_ctx"] = max(architecture["n_ctx"], wanted)
+    else:
+        sizes["n_ctx"] = args.n_ctx
     conflicting = {k: v for k, v in sizes.items() if v is not None and v != architecture[k]}
     if conflicting:
         raise ValueError(
@@ -175,7 +186,7 @@ def add_distill_parsers(sub) -> None:
         help="distil the teacher into a student (CoT or MISTILL; resumable), then evaluate it",
     )
     parser.add_argument(
-        "--teacher", default="default", help="teacher checkpoint folder, or 'default'"
+        "--teacher", default="default", help="teacher checkpoint folder, 'default' or 'tiny'"
     )
     parser.add_argument(
         "--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family"
@@ -217,6 +228,13 @@ def add_distill_parsers(sub) -> None:
         type=POSITIVE_INT,
         default=None,
         help="student width (default 96, or --student-init's)",
+    )
+    parser.add_argument(
+        "--n-ctx",
+        type=POSITIVE_INT,
+        default=None,
+        help="student positions (default: llama 2048, gpt2 1024; a Llama --student-init's rotary "
+        "context grows to it, a GPT-2's learned one cannot)",
     )
     parser.add_argument(
         "--student-init",

@@ -41,6 +41,7 @@ from mistill_lens.models.checkpoints import (
     weights_digest,
 )
 from mistill_lens.models.students import (
+    DEFAULT_CONTEXT,
     autocast,
     build_student,
     context_length,
@@ -50,6 +51,7 @@ from mistill_lens.models.students import (
     precision_dtype,
     student_architecture,
     student_config,
+    with_context,
 )
 from mistill_lens.options import check_options
 from mistill_lens.training.loop import (
@@ -84,7 +86,7 @@ class DistillConfig:
     # default of `student_heads`.
     student_layers: tuple[int, ...] | None = None
     student_head_set: tuple[Head, ...] | None = None
-    n_ctx: int = 1024
+    n_ctx: int | None = None  # the student's positions (None: the family's DEFAULT_CONTEXT)
     checkpoint_every: int = 100
     teacher: str = ""  # weights digest: a resumed run must use the same teacher and data
     n_train: int = 0
@@ -94,6 +96,9 @@ class DistillConfig:
     student_init: str | None = None
 
     def __post_init__(self):
+        family_tokenizer(self.family)
+        if self.n_ctx is None:  # resolved here, so the recorded configuration holds the number
+            object.__setattr__(self, "n_ctx", DEFAULT_CONTEXT[self.family])
         check_options(
             self,
             **RUN_OPTION_CHECKS,
@@ -106,7 +111,6 @@ class DistillConfig:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
         precision_dtype(self.precision)
-        family_tokenizer(self.family)
         if self.student_layers is not None and self.student_head_set is not None:
             raise ValueError(
                 "give the student's pooled heads either as layers or as a head set, not both"
@@ -163,7 +167,9 @@ def distillation_items(
         )
     if not items:
         raise ValueError(
-            f"none of the {len(examples)} distillation examples fits the student's {n_ctx}-token context"
+            f"none of the {len(examples)} distillation examples fits the student's {n_ctx}-token "
+            "context: give the student a longer one (a fresh student or a Llama base student: "
+            "DistillConfig.n_ctx), or distil at a smaller K"
         )
     return items, too_long
 
@@ -262,7 +268,9 @@ def initial_student(config: DistillConfig):
     initialisation (seeded by ``config.seed``), in the run's precision."""
     dtype = precision_dtype(config.precision)
     if config.student_init is not None:
-        student = load_base_student(config.student_init, config.family, dtype)
+        student = with_context(
+            load_base_student(config.student_init, config.family, dtype), config.n_ctx
+        )
         architecture = student_architecture(student)
         differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
         if differing:

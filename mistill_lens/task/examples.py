@@ -33,7 +33,7 @@ from mistill_lens.task.icd import (
 
 SPLITS = ("train", "validation", "heldout")
 EVENT_KINDS = ("region", "within", "near_miss")
-DEFAULT_K = 20
+DEFAULT_K = 64
 DEFAULT_MAX_MENTIONS = 4
 
 PROMPT_HEADER = "Summary: "

@@ -21,7 +21,13 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
-from transformers import GPT2LMHeadModel, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from mistill_lens import options, task
 from mistill_lens.lens.fingerprint import StaleResultError, check_fingerprint, value_digest
@@ -41,7 +47,12 @@ from mistill_lens.models.checkpoints import (
     teacher_config,
     weights_digest,
 )
-from mistill_lens.models.students import build_student, family_tokenizer, student_config
+from mistill_lens.models.students import (
+    build_student,
+    context_length,
+    family_tokenizer,
+    student_config,
+)
 from mistill_lens.models.tokenizers import teacher_tokenizer
 from mistill_lens.options import check_options
 from mistill_lens.runs import (
@@ -364,8 +375,16 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
                 f"--init-from {config.init_from} was trained with another tokenizer"
             )
         return model
+    hf_config = fresh_config(config, tokenizer)
     if config.student is not None:
-        hf_config = student_config(
+        return build_student(hf_config, config.seed, attn_implementation="sdpa")
+    return GPT2LMHeadModel(hf_config)
+
+
+def fresh_config(config: TrainConfig, tokenizer: PreTrainedTokenizerFast):
+    """The Hugging Face config of a freshly initialised teacher or base student."""
+    if config.student is not None:
+        return student_config(
             config.student,
             len(tokenizer),
             tokenizer.eos_token_id,
@@ -373,15 +392,51 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
             n_head=config.n_head,
             n_embd=config.n_embd,
         )
-        return build_student(hf_config, config.seed, attn_implementation="sdpa")
-    hf_config = teacher_config(
+    return teacher_config(
         len(tokenizer),
         n_layer=config.n_layer,
         n_head=config.n_head,
         n_embd=config.n_embd,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return GPT2LMHeadModel(hf_config)
+
+
+def learned_positions(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> int | None:
+    """How many positions the trained model has if they are learned weights (GPT-2), else None
+    (rotary positions run at any length)."""
+    if config.base is not None:
+        return None
+    if config.init_from is not None:
+        if not (resolve(config.init_from) / "config.json").is_file():
+            return None  # loading it names what is missing
+        hf_config = AutoConfig.from_pretrained(resolve(config.init_from))
+    else:
+        hf_config = fresh_config(config, tokenizer)
+    return hf_config.n_positions if isinstance(hf_config, GPT2Config) else None
+
+
+def too_long(n_tokens: int, context: int, config: TrainConfig) -> ValueError:
+    return ValueError(
+        f"a training example of {n_tokens} tokens exceeds the model's {context} positions "
+        f"(K = {config.k}, up to {config.max_mentions} mentions): give a smaller --k or "
+        "--max-mentions, or train a model with rotary positions (--base smollm2, or --student llama)"
+    )
+
+
+def check_examples_fit(config: TrainConfig, tokenizer: PreTrainedTokenizerFast, n: int = 16):
+    """Refuse, before anything is written, a run whose first examples exceed a model's learned
+    positions (the loop checks every batch too: a rare longer example is refused when it comes)."""
+    context = learned_positions(config, tokenizer)
+    if context is None:
+        return
+    task_config = dict(
+        universe_size=config.universe_size, k=config.k, max_mentions=config.max_mentions
+    )
+    for i in range(n):
+        example = task.example_at(config.seed, "train", i, **task_config)
+        length = len(encode(tokenizer, example.prompt, example.output)[0])
+        if length > context:
+            raise too_long(length, context, config)
 
 
 def _lora_model(config: TrainConfig, resume_from: Path | None = None):
@@ -478,8 +533,9 @@ def train(
     if data_workers < 0:
         raise ValueError(f"data_workers must be 0 or more, got {data_workers}")
     target = resolve_device(device)
-    out_dir = claim_checkpoint_dir(out_dir, "train")
     tokenizer = role_tokenizer(config)
+    check_examples_fit(config, tokenizer)
+    out_dir = claim_checkpoint_dir(out_dir, "train")
     _seed_everything(config.seed)
     resumed = _resume(out_dir, config, tokenizer)
     if resumed is None:
@@ -539,6 +595,8 @@ def train(
         ids, attention, targets = (
             t.to(target) for t in collate([(e[0], e[1]) for e in encoded], tokenizer.pad_token_id)
         )
+        if ids.shape[1] > context_length(model):
+            raise too_long(ids.shape[1], context_length(model), config)
         weights = None
         if config.event_weight != 1.0:
             is_event = torch.zeros_like(targets)
