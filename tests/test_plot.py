@@ -11,7 +11,8 @@ from mistill_lens.distill.evaluation import median_recovery
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.characterize import CharacterizeConfig, rank_correlation
-from mistill_lens.lens.outputs import read_characterization
+from mistill_lens.lens.outputs import characterization_figures, read_characterization
+from mistill_lens.lens.plot import token_labels
 
 
 def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
@@ -153,7 +154,8 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     }
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert len(sweep) == 8 * summary["n_decided_events"]
-    for name in ("head_maps", "ablation_curve", "attention_families", "elicitation"):
+    figures = ("head_maps", "ablation_curve", "attention_families", "elicitation")
+    for name in (*figures, "example_margins", "example_attention"):
         assert (tmp_path / "figures" / f"{name}.html").exists()
     # deterministic, and the sweeps resume from the files already written
     again = characterize_into(
@@ -171,6 +173,16 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     assert read.summary() == summary
     assert read.circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
     assert median_recovery(tmp_path, kind="within") == read.median_recovery("within")
+    # the token-labelled view: the chosen head's row is a distribution over the example's tokens
+    # up to the query, and every margin is the one the sweep started from
+    view = read.example
+    assert view.head in read.circuits[view.example.events[view.event].kind]
+    assert len(view.row) == view.query + 1 and sum(view.row) == pytest.approx(1.0, abs=1e-5)
+    assert len(view.margins) == len(view.example.events) and view.margins[view.event] > 0
+    clean = pd.read_csv(tmp_path / "sweep.csv").groupby("event_row").clean_margin.first()
+    assert pytest.approx(view.margins[view.event], abs=1e-5) in list(clean)
+    figure = characterization_figures(read)["example_attention"]
+    assert list(figure.data[0].x) == token_labels(view.example)[: view.query + 1]
 
 
 def test_families_figure_shows_the_circuit_and_the_top_heads_per_family():

@@ -70,8 +70,10 @@ def test_the_report_opens_alone_offline_and_its_plots_render(characterised, tmp_
     )
 
     dom = chromium(alone, "--dump-dom", user_data=tmp_path / "profile-dom").stdout
-    # plotly drew every figure: two main SVG layers each (head maps, curve, families, elicitation)
-    assert dom.count('class="main-svg"') >= 2 * 4
+    # plotly drew every figure: two main SVG layers each (head maps, curve, families, elicitation,
+    # and the example's token-labelled margins and attention row)
+    assert dom.count('class="main-svg"') >= 2 * 6
+    assert "0:" in dom and "margin (logits)" in dom  # the token axis labels and the margin axis
 
     shot = tmp_path / "shot.png"
     chromium(

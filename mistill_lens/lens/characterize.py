@@ -31,6 +31,7 @@ from mistill_lens.lens.circuits import (
     attention_mass,
     circuit_measures,
     circuit_report,
+    event_attention_rows,
     family_targets,
     head_families,
     phase_structure,
@@ -166,6 +167,73 @@ def rank_correlation(a: Tensor, b: Tensor) -> float:
 
 
 @dataclass
+class ExampleView:
+    """One analysed example token by token, for token-labelled figures: the clean margin at each of
+    its gold events, and one deciding head's attention row at one of them (positions 0..query)."""
+
+    example: EncodedExample
+    margins: list[float]  # per event of `example`, in its order
+    head: Head
+    event: int  # index into example.events of the event whose attention row is kept
+    row: list[float]
+
+    @property
+    def query(self) -> int:
+        return self.example.events[self.event].predict_position
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ExampleView":
+        example = dict(data["example"])
+        example["offsets"] = [tuple(o) for o in example["offsets"]]
+        example["events"] = [
+            DecisionEvent(**{**e, "contrast_tokens": tuple(e["contrast_tokens"])})
+            for e in example["events"]
+        ]
+        return cls(
+            example=EncodedExample(**example),
+            margins=list(data["margins"]),
+            head=tuple(data["head"]),
+            event=int(data["event"]),
+            row=list(data["row"]),
+        )
+
+
+def example_view(
+    model: HookedModel,
+    encoded: Sequence[EncodedExample],
+    every_event: EventBatch,
+    margins: Float[Tensor, "event"],
+    decided: Sequence[int],
+    circuits: Mapping[str, list[Head]],
+    calibration: Calibration,
+) -> ExampleView:
+    """The view of the first example with a decided near-miss event (else the first decided event
+    of any kind): its events' clean margins, and the attention row there of the kind's top
+    circuit head (the kind's top head by z when its circuit is empty)."""
+    decided = [int(i) for i in decided]
+    kinds = [every_event.events[i].kind for i in decided]
+    row = decided[kinds.index("near_miss")] if "near_miss" in kinds else decided[0]
+    chosen = every_event.events[row]
+    example = next(x for x in encoded if x.example_id == chosen.example_id)
+    own = [i for i, e in enumerate(every_event.events) if e.example_id == chosen.example_id]
+    kind_index = calibration.kinds.index(chosen.kind)
+    z = calibration.z[kind_index].nan_to_num(float("-inf"))
+    head = (circuits.get(chosen.kind) or [divmod(int(z.argmax()), z.shape[1])])[0]
+    layer, head_index = head
+    pattern = event_attention_rows(model, every_event.select([row]), [layer])[layer]
+    return ExampleView(
+        example=example,
+        margins=[float(margins[i]) for i in own],
+        head=(int(layer), int(head_index)),
+        event=own.index(row),
+        row=pattern[0, head_index, : chosen.predict_position + 1].tolist(),
+    )
+
+
+@dataclass
 class Characterization:
     """What a characterisation found, as objects a notebook or the distiller reads directly.
 
@@ -191,6 +259,7 @@ class Characterization:
     n_null_events: int
     warnings: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)  # e.g. the command line
+    example: ExampleView | None = None  # one example token by token (token-labelled figures)
 
     @property
     def circuit(self) -> list[Head]:
@@ -417,7 +486,8 @@ def _characterize(
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 
     every_event = make_event_batch(encoded, pad_token_id=pad)
-    decided = decided_rows(clean_margins(model, every_event), config.min_margin)
+    every_margin = clean_margins(model, every_event)
+    decided = decided_rows(every_margin, config.min_margin)
     if len(decided) == 0:
         raise ValueError(
             f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise"
@@ -555,6 +625,9 @@ def _characterize(
         n_events=len(every_event),
         n_null_events=len(nulls),
         warnings=warned,
+        example=example_view(
+            model, encoded, every_event, every_margin, decided.tolist(), circuits, calibration
+        ),
     )
 
 

@@ -359,34 +359,38 @@ def attention_mass(
     for rows in row_chunks(len(batch), batch_size):
         sub = batch.select(rows)
         target_mask = _target_mask(batch, rows, targets, sub.tokens.shape[1])
-        if isinstance(model, InterventionEngine):  # the event rows alone, no [T, T] pattern
-            for layer in range(n_layers):
-                pattern = model.event_patterns(sub, layer)
-                mass[rows, layer] = torch.einsum(
-                    "bhk,bk->bh", pattern, target_mask[:, : pattern.shape[-1]]
-                )
-            continue
-        query_rows = {}
-
-        def keep_query_row(layer):
-            def hook(pattern, hook):
-                query_rows[layer] = pattern[
-                    torch.arange(len(rows)), :, sub.predict_positions
-                ].detach()  # [b, head, key]
-                return pattern
-
-            return hook
-
-        with torch.no_grad():
-            model.run_with_hooks(
-                sub.tokens,
-                fwd_hooks=[
-                    (get_act_name("pattern", l), keep_query_row(l)) for l in range(n_layers)
-                ],
+        for layer, pattern in event_attention_rows(model, sub, range(n_layers)).items():
+            mass[rows, layer] = torch.einsum(
+                "bhk,bk->bh", pattern, target_mask[:, : pattern.shape[-1]]
             )
-        for layer in range(n_layers):
-            mass[rows, layer] = torch.einsum("bhk,bk->bh", query_rows[layer], target_mask)
     return mass
+
+
+def event_attention_rows(
+    model: HookedModel, batch: EventBatch, layers: Iterable[int]
+) -> dict[int, Float[Tensor, "event head key"]]:
+    """Each head's clean attention row from each event's predicting position, per layer: on the
+    engine those rows alone, else one forward that keeps only the query rows of its patterns."""
+    layers = list(layers)
+    if isinstance(model, InterventionEngine):  # no [T, T] pattern at all
+        return {layer: model.event_patterns(batch, layer) for layer in layers}
+    rows: dict[int, Tensor] = {}
+
+    def keep_query_row(layer: int):
+        def hook(pattern, hook):
+            rows[layer] = pattern[
+                torch.arange(len(batch)), :, batch.predict_positions
+            ].detach()  # [event, head, key]
+            return pattern
+
+        return hook
+
+    with torch.no_grad():
+        model.run_with_hooks(
+            batch.tokens,
+            fwd_hooks=[(get_act_name("pattern", layer), keep_query_row(layer)) for layer in layers],
+        )
+    return rows
 
 
 def _target_mask(

@@ -21,12 +21,13 @@ import torch
 
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
+from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, ExampleView
 from mistill_lens.lens.sweep import read_table
 from mistill_lens.runs import claim_run_dir, legacy_run
 
 RUN_KIND = "characterize"
 SUMMARY = "summary.json"
+EXAMPLE_FILE = "example.json"  # one example token by token: the token-labelled figures
 RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
 DERIVED_FILES = (
     "attribution.csv",
@@ -36,6 +37,7 @@ DERIVED_FILES = (
     "elicitation.csv",
     "ablation_curve.csv",
     "heads.json",
+    EXAMPLE_FILE,
     SUMMARY,
     "figures",
 )
@@ -94,6 +96,8 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
         if table is not None:
             table.to_csv(out_dir / name, index=False)
     (out_dir / "heads.json").write_text(json.dumps(result.heads_table(), indent=2))
+    if result.example is not None:
+        (out_dir / EXAMPLE_FILE).write_text(json.dumps(result.example.to_json()))
     (out_dir / "figures").mkdir()
     for name, figure in characterization_figures(result).items():
         plot.write_figure(figure, out_dir / "figures" / f"{name}.html")
@@ -116,6 +120,18 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
         )
     if result.elicitation_curve is not None:
         figures["elicitation"] = plot.elicitation_figure(result.elicitation_curve)
+    view = result.example
+    if view is not None:
+        figures["example_margins"] = plot.event_margins_figure(view.example, view.margins)
+        layer, head = view.head
+        event = view.example.events[view.event]
+        figures["example_attention"] = plot.attention_row_figure(
+            view.example,
+            view.row,
+            view.query,
+            f"L{layer}H{head}'s attention from the token that predicts the {event.kind} decision "
+            f"{event.chosen!r} (vs {event.contrast!r}), example {view.example.example_id}",
+        )
     return figures
 
 
@@ -174,6 +190,9 @@ def read_characterization(out_dir: str | Path) -> Characterization:
         n_events=summary["n_events"],
         n_null_events=summary["n_null_events"],
         warnings=summary["warnings"],
+        example=ExampleView.from_json(json.loads((out_dir / EXAMPLE_FILE).read_text()))
+        if (out_dir / EXAMPLE_FILE).is_file()
+        else None,
     )
     own = result.summary()  # without provenance: what is left in the file is the caller's
     result.provenance = {k: v for k, v in summary.items() if k not in own}
