@@ -258,10 +258,31 @@ def attention_row_figure(
     encoded: EncodedExample, row: Sequence[float], query: int, title: str, first: int = 0
 ) -> go.Figure:
     """One attention row over the example's tokens, token-labelled: where a head looks from
-    position `query` (the predicting position of an event)."""
+    position `query` (the predicting position of an event); its five most attended tokens are
+    marked and named."""
     labels = token_labels(encoded)[first : query + 1]
     values = [float(v) for v in list(row)[first : query + 1]]
-    fig = go.Figure(go.Bar(x=labels, y=values, hovertemplate="%{x}: %{y:.3f}<extra></extra>"))
+    hover = "%{x}: %{y:.3f}<extra></extra>"
+    # a bar per token is sub-pixel over a long context: there the row is a filled line
+    fig = go.Figure(
+        go.Bar(x=labels, y=values, hovertemplate=hover, showlegend=False)
+        if len(labels) <= 200
+        else go.Scatter(
+            x=labels, y=values, mode="lines", fill="tozeroy", hovertemplate=hover, showlegend=False
+        )
+    )
+    top = sorted(range(len(values)), key=lambda i: -values[i])[:5]
+    fig.add_trace(
+        go.Scatter(
+            x=[labels[i] for i in top],
+            y=[values[i] for i in top],
+            mode="markers+text",
+            text=[labels[i] for i in top],
+            textposition="top center",
+            hovertemplate=hover,
+            showlegend=False,
+        )
+    )
     fig.update_layout(
         title=title,
         xaxis=dict(title=f"source token (query: {labels[-1]})", tickangle=-60),
