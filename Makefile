@@ -26,7 +26,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
-# The main job on the shipped defaults (40 s on 2 quiet cores after the install): accuracy, characterisation, a
+# The main job on the shipped defaults (12.5 min on 2 quiet cores after the install): accuracy, characterisation, a
 # short MISTILL vs CoT run, runs/demo/report/index.html, a one-screen summary.
 demo: install
 	$(BIN)/mistill-lens demo --out runs/demo --seed 0

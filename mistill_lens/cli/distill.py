@@ -189,7 +189,11 @@ def add_distill_parsers(sub) -> None:
         "--teacher", default="default", help="teacher checkpoint folder, 'default' or 'tiny'"
     )
     parser.add_argument(
-        "--student", choices=FAMILIES, required=True, help="llama: cross-family; gpt2: same family"
+        "--student",
+        choices=FAMILIES,
+        required=True,
+        help="llama: a small Llama on the student tokenizer; gpt2: a small GPT-2 on the tiny teacher's "
+        "tokenizer (the same family and tokenizer as --teacher tiny)",
     )
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
     parser.add_argument(
