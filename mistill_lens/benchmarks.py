@@ -347,7 +347,7 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
     from mistill_lens.training.loop import make_optimizer, output_loss
 
     torch.manual_seed(seed)
-    teacher, teacher_tokenizer = load_model("default")
+    teacher, teacher_tokenizer = load_model("tiny")  # the teacher the recorded figures used
     # the teacher's last layer as the supervised head set: a cost benchmark, not a finding
     last = teacher.cfg.n_layers - 1
     heads_by_kind = {
