@@ -40,7 +40,7 @@ def test_notebook_runs_through_a_kernel_and_its_claims_hold(path, tmp_path, monk
     notebook = nbformat.read(path, as_version=4)
     notebook.cells.append(nbformat.v4.new_code_cell(CHECKS[path.stem]))
     client = NotebookClient(
-        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+        notebook, timeout=2400, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
     )
     client.execute()  # raises CellExecutionError, with the cell, on any failure
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
