@@ -213,7 +213,6 @@ def example_view(
     """The view of the first example with a decided near-miss event (else the first decided event
     of any kind): its events' clean margins, and the attention row there of the kind's top
     circuit head (the kind's top head by z when its circuit is empty)."""
-    decided = [int(i) for i in decided]
     kinds = [every_event.events[i].kind for i in decided]
     row = decided[kinds.index("near_miss")] if "near_miss" in kinds else decided[0]
     chosen = every_event.events[row]

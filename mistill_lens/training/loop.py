@@ -213,17 +213,22 @@ def encode_example(
 _WORKER_JOB: tuple | None = None
 
 
+def training_example(config: TrainConfig, index: int) -> task.Example:
+    """Example `index` of the run's training stream (a function of the seed and the index)."""
+    return task.example_at(
+        config.seed,
+        "train",
+        index,
+        universe_size=config.universe_size,
+        k=config.k,
+        max_mentions=config.max_mentions,
+    )
+
+
 def _encode_batch(indices: range) -> list[EncodedExample]:
     config, tokenizer = _WORKER_JOB
-    task_config = dict(
-        universe_size=config.universe_size, k=config.k, max_mentions=config.max_mentions
-    )
     return [
-        encode_example(
-            tokenizer,
-            task.example_at(config.seed, "train", i, **task_config),
-            config.event_weight != 1.0,
-        )
+        encode_example(tokenizer, training_example(config, i), config.event_weight != 1.0)
         for i in indices
     ]
 
@@ -429,12 +434,8 @@ def check_examples_fit(config: TrainConfig, tokenizer: PreTrainedTokenizerFast, 
     context = learned_positions(config, tokenizer)
     if context is None:
         return
-    task_config = dict(
-        universe_size=config.universe_size, k=config.k, max_mentions=config.max_mentions
-    )
     for i in range(n):
-        example = task.example_at(config.seed, "train", i, **task_config)
-        length = len(encode(tokenizer, example.prompt, example.output)[0])
+        length = len(encode_example(tokenizer, training_example(config, i), False)[0])
         if length > context:
             raise too_long(length, context, config)
 
