@@ -43,8 +43,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
+from mistill_lens.lens.adapters import EngineUnsupported, adapter_for
 from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
 from mistill_lens.lens.hooks import (
     HookPair,
@@ -55,10 +56,6 @@ from mistill_lens.lens.hooks import (
 )
 
 _Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
-
-
-class EngineUnsupported(ValueError):
-    """The request needs the full forward (a hook the engine cannot apply, an unknown model)."""
 
 
 @dataclass
@@ -78,122 +75,32 @@ class _ExampleCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class _Family:
-    """How one position runs through a decoder layer of one architecture."""
-
-    n_layers: int
-    n_heads: int
-    d_head: int
-
-    def __init__(self, model: PreTrainedModel):
-        self.model = model
-
-    def qkv(self, layer: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries [n, head, d], keys and values [n, kv_head, d] of residual `x` [n, d_model]."""
-        raise NotImplementedError
-
-    def attn_out(self, layer: int, z: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def mlp_block(self, layer: int, x: Tensor) -> Tensor:
-        """The residual after the layer's MLP block, from the residual after its attention."""
-        raise NotImplementedError
-
-    def unembed(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def z_module(self, layer: int) -> torch.nn.Module:
-        """The module whose input is the layer's hook_z (flattened over heads)."""
-        raise NotImplementedError
-
-    def scaling(self, layer: int) -> float:
-        raise NotImplementedError
+def _named_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer of `module` (persistent or not, tied names included), under the
+    plain Hugging Face names (the bridge inserts `._original_component` into them)."""
+    tensors = {
+        **dict(module.named_buffers(remove_duplicate=False)),
+        **dict(module.named_parameters(remove_duplicate=False)),
+    }
+    return {re.sub(r"\._original_component", "", name): t for name, t in tensors.items()}
 
 
-class _Llama(_Family):
-    def __init__(self, model: PreTrainedModel):
-        super().__init__(model)
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self._rotate = apply_rotary_pos_emb
-        config = model.config
-        self.n_layers = config.num_hidden_layers
-        self.n_heads = config.num_attention_heads
-        self.d_head = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-
-    def layer(self, i):
-        return self.model.model.layers[i]
-
-    def qkv(self, layer, x, positions):
-        block = self.layer(layer)
-        h = block.input_layernorm(x[:, None, :])  # [n, 1, d_model]
-        attn = block.self_attn
-        q = einops.rearrange(attn.q_proj(h), "n s (h d) -> n h s d", d=self.d_head)
-        k = einops.rearrange(attn.k_proj(h), "n s (h d) -> n h s d", d=self.d_head)
-        v = einops.rearrange(attn.v_proj(h), "n s (h d) -> n h s d", d=self.d_head)
-        cos, sin = self.model.model.rotary_emb(v, positions[:, None])
-        q, k = self._rotate(q, k, cos, sin)
-        return q[:, :, 0], k[:, :, 0], v[:, :, 0]
-
-    def attn_out(self, layer, z):
-        return self.layer(layer).self_attn.o_proj(einops.rearrange(z, "n h d -> n (h d)"))
-
-    def mlp_block(self, layer, x):
-        block = self.layer(layer)
-        return x + block.mlp(block.post_attention_layernorm(x))
-
-    def unembed(self, x):
-        return self.model.lm_head(self.model.model.norm(x))
-
-    def z_module(self, layer):
-        return self.layer(layer).self_attn.o_proj
-
-    def scaling(self, layer):
-        return self.layer(layer).self_attn.scaling
+def _put(module: torch.nn.Module, name: str, tensor: Tensor) -> None:
+    """Make `tensor` (the same object: shared, not copied) the parameter or buffer `name`."""
+    *path, leaf = name.split(".")
+    owner = module.get_submodule(".".join(path))
+    slots = owner._parameters if leaf in owner._parameters else owner._buffers
+    slots[leaf] = tensor
 
 
-class _GPT2(_Family):
-    def __init__(self, model: PreTrainedModel):
-        super().__init__(model)
-        config = model.config
-        self.n_layers = config.n_layer
-        self.n_heads = config.n_head
-        self.d_head = config.n_embd // config.n_head
-        if getattr(config, "reorder_and_upcast_attn", False):
-            raise EngineUnsupported("GPT-2 with reorder_and_upcast_attn is not supported")
+def unbridged(model: TransformerBridge | PreTrainedModel) -> PreTrainedModel:
+    """The plain Hugging Face model behind `model` (a bridge, or already a plain model), with
+    memory-efficient attention for long contexts, sharing every weight *and every buffer* of the
+    model (non-persistent ones included: rotary frequencies, embedding scales, masks), so that it
+    computes what the model computes even where buffers differ from what the config implies.
 
-    def layer(self, i):
-        return self.model.transformer.h[i]
-
-    def qkv(self, layer, x, positions):
-        block = self.layer(layer)
-        q, k, v = block.attn.c_attn(block.ln_1(x)).split(self.n_heads * self.d_head, dim=-1)
-        split = "n (h d) -> n h d"
-        return (einops.rearrange(t, split, d=self.d_head) for t in (q, k, v))
-
-    def attn_out(self, layer, z):
-        return self.layer(layer).attn.c_proj(einops.rearrange(z, "n h d -> n (h d)"))
-
-    def mlp_block(self, layer, x):
-        block = self.layer(layer)
-        return x + block.mlp(block.ln_2(x))
-
-    def unembed(self, x):
-        return self.model.lm_head(self.model.transformer.ln_f(x))
-
-    def z_module(self, layer):
-        return self.layer(layer).attn.c_proj
-
-    def scaling(self, layer):
-        return self.layer(layer).attn.scaling
-
-
-_FAMILIES = {"llama": _Llama, "mistral": _Llama, "qwen2": _Llama, "gpt2": _GPT2}
-
-
-def unbridged(model: TransformerBridge) -> PreTrainedModel:
-    """The plain Hugging Face model behind `model` (a bridge, or already a plain model), sharing
-    its weight tensors (no copy), with memory-efficient attention for long contexts."""
+    The twin is built on the meta device (no second copy of the weights, not even a transient one)
+    and refuses to exist with anything of its own left unfilled."""
     if isinstance(model, PreTrainedModel):
         hf = model
         if hf.config._attn_implementation == "sdpa":
@@ -204,24 +111,25 @@ def unbridged(model: TransformerBridge) -> PreTrainedModel:
             raise EngineUnsupported(
                 f"{type(model).__name__} is neither a TransformerBridge nor a Hugging Face model"
             )
-    # The bridge replaces the HF modules in place; its state dict names every HF weight with
-    # `._original_component` inserted. A twin of the HF class takes the same tensors.
-    state = {
-        re.sub(r"\._original_component", "", name): tensor
-        for name, tensor in hf.state_dict(keep_vars=True).items()
-    }
-    twin = type(hf)._from_config(hf.config, attn_implementation="sdpa")
-    wanted = twin.state_dict().keys()
-    missing = sorted(set(wanted) - set(state))
+    theirs = _named_tensors(hf)
+    with torch.device("meta"):
+        twin = type(hf)._from_config(hf.config, attn_implementation="sdpa")
+    wanted = _named_tensors(twin)
+    missing = sorted(set(wanted) - set(theirs))
     if missing:
-        raise EngineUnsupported(f"cannot find these weights behind the model: {missing[:3]}")
-    frozen = {name: state[name].requires_grad for name in wanted}
-    twin.load_state_dict({name: state[name] for name in wanted}, assign=True)
-    for name in wanted:  # loading sets the twin's flag on the shared tensors: keep the model's
-        state[name].requires_grad_(frozen[name])
-    if getattr(hf.config, "tie_word_embeddings", False):
-        twin.tie_weights()
-    return twin.to(next(hf.parameters()).device).eval()
+        raise EngineUnsupported(f"cannot find these tensors behind the model: {missing[:3]}")
+    for name in wanted:
+        _put(twin, name, theirs[name])
+    # plain attributes a model computes from its config at construction (rotary attention
+    # scaling, ...) are the config's on both; tensors are the model's own, checked here
+    left = [name for name, t in _named_tensors(twin).items() if t.is_meta]
+    if left:
+        raise EngineUnsupported(f"the engine's copy left these tensors unfilled: {left[:3]}")
+    return twin.eval()
+
+
+class EngineMismatch(RuntimeError):
+    """The engine disagrees with the model's own forward: its numbers would be wrong."""
 
 
 class InterventionEngine:
@@ -236,22 +144,23 @@ class InterventionEngine:
         model: TransformerBridge | PreTrainedModel,
         cache_bytes: int = 4 * 2**30,
         chunk: int = 512,
+        self_check: bool = True,
     ):
         self.model = model
         self.hf = unbridged(model)
-        model_type = self.hf.config.model_type
-        if model_type not in _FAMILIES:
-            raise EngineUnsupported(
-                f"no engine for model type {model_type!r} (supported: {sorted(_FAMILIES)})"
-            )
-        self.family = _FAMILIES[model_type](self.hf)
-        self.n_layers = self.family.n_layers
-        self.n_heads = self.family.n_heads
+        self.adapter = adapter_for(self.hf)
+        self._hook_points = dict(getattr(model, "hook_dict", None) or {})
+        # None: not checked yet; the first batch of events any method sees is checked against the
+        # model's own forward before anything is computed from it
+        self.check_record: dict | None = None if self_check else {"skipped": True}
+        self._checking = False
+        self.n_layers = self.adapter.n_layers
+        self.n_heads = self.adapter.n_heads
         # the shape the hook factories read (`model.cfg`), also for a plain Hugging Face model
         self.cfg = SimpleNamespace(
             n_layers=self.n_layers,
             n_heads=self.n_heads,
-            d_head=self.family.d_head,
+            d_head=self.adapter.d_head,
             n_ctx=self.hf.config.max_position_embeddings
             if hasattr(self.hf.config, "max_position_embeddings")
             else self.hf.config.n_positions,
@@ -294,7 +203,7 @@ class InterventionEngine:
 
     @torch.no_grad()
     def _clean_pass(self, tokens: Tensor, positions: list[int]) -> _ExampleCache:
-        family = self.family
+        adapter = self.adapter
         z_at: dict[int, Tensor] = {}
         resid_at: dict[int, Tensor] = {}
         index = torch.tensor(positions)
@@ -316,13 +225,22 @@ class InterventionEngine:
             handle
             for layer in range(self.n_layers)
             for handle in (
-                family.layer(layer).register_forward_pre_hook(keep_resid(layer), with_kwargs=True),
-                family.z_module(layer).register_forward_pre_hook(keep_z(layer)),
+                adapter.layer_module(layer).register_forward_pre_hook(
+                    keep_resid(layer), with_kwargs=True
+                ),
+                adapter.z_module(layer).register_forward_pre_hook(keep_z(layer)),
             )
         ]
         try:
             device = next(self.hf.parameters()).device
-            out = self.hf(tokens[None].to(device), use_cache=True, logits_to_keep=1)
+            # a cache without sliding layers: a sliding-window layer's cache would keep only the
+            # last window of the whole prefix, and an event needs the window of its own position
+            out = self.hf(
+                tokens[None].to(device),
+                past_key_values=DynamicCache(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             for handle in handles:
                 handle.remove()
@@ -364,10 +282,108 @@ class InterventionEngine:
     def clear(self) -> None:
         self._caches.clear()
 
+    # --- the self-check ------------------------------------------------------------------------
+
+    def check(self, batch: EventBatch, seed: int = 0) -> dict:
+        """Compare the engine with the model's own forward on `batch`'s first example: its events'
+        clean margins recomputed from layer 0 through the adapter (every layer, not only the last
+        from a cached residual), and one event's margin with a random multi-layer set of heads
+        zeroed. A disagreement beyond 1e-4 x the mean |clean margin| (float32; 0.05 x in half
+        precision) raises :class:`EngineMismatch`; the record is kept in ``check_record``."""
+        self._checking = True
+        try:
+            record = self._check(batch, seed)
+        finally:
+            self._checking = False
+        self.check_record = record
+        if not record["passed"]:
+            raise EngineMismatch(
+                f"the intervention engine disagrees with the model's own forward by up to "
+                f"{record['max_abs_diff']:.3g} logits (tolerance {record['tolerance']:.3g}, "
+                f"{record['n_events']} events; {record['comparisons']}): its numbers would be wrong for "
+                "this model. Run on the full forward instead (CharacterizeConfig(engine=False); "
+                "on the command line --no-engine), which is exact but costs one forward per event "
+                "row (~1,500x slower on the default teacher)"
+            )
+        return record
+
+    def _check(self, batch: EventBatch, seed: int) -> dict:
+        first = batch.events[0].example_id
+        rows = [r for r, e in enumerate(batch.events) if e.example_id == first]
+        rows = sorted({rows[0], rows[-1]})
+        sub = batch.select(rows)
+        generator = torch.Generator().manual_seed(seed)
+        layers = sorted(set(torch.randint(self.n_layers, (3,), generator=generator).tolist()))
+        heads = [(l, int(torch.randint(self.n_heads, (1,), generator=generator))) for l in layers]
+        full_clean = self._full_forward_margins(sub, [])
+        engine_clean = self._margins_from(sub, 0, [])
+        one = sub.select([len(sub) - 1])
+        full_ablated = self._full_forward_margins(one, heads)
+        engine_ablated = self._margins_from(one, None, heads)
+        diffs = {
+            "clean, from layer 0": (engine_clean - full_clean).abs().max().item(),
+            f"heads {heads} zeroed": (engine_ablated - full_ablated).abs().max().item(),
+        }
+        worst = max(diffs, key=diffs.get)
+        half = self.hf.dtype in (torch.float16, torch.bfloat16)
+        scale = max(full_clean.abs().mean().item(), 1.0)
+        tolerance = (0.05 if half else 1e-4) * scale
+        return {
+            "passed": diffs[worst] <= tolerance,
+            "max_abs_diff": diffs[worst],
+            "tolerance": tolerance,
+            "n_events": len(sub),
+            "ablated_heads": [list(h) for h in heads],
+            "ablation_effect": (full_clean[-1:] - full_ablated).abs().max().item(),
+            "comparisons": "; ".join(f"{what}: {diff:.3g}" for what, diff in diffs.items()),
+        }
+
+    def _margins_from(self, batch: EventBatch, start: int | None, heads: list) -> Tensor:
+        """Engine margins with `heads` zeroed, recomputed from layer `start` (None: the first
+        zeroed layer)."""
+        view = event_view(batch)
+        layer_hooks = self._layer_hooks(_zero_heads_hooks(view, heads))
+        start = min(layer_hooks) if start is None else start
+        with torch.no_grad():
+            logits = self._run(self._groups(batch), len(batch), start, layer_hooks).float()
+        return _margins(logits, view)
+
+    @torch.no_grad()
+    def _full_forward_margins(self, batch: EventBatch, heads: list) -> Tensor:
+        """The model's own forward (TransformerLens hooks on a bridge, PyTorch hooks on a plain
+        Hugging Face model) with `heads` zeroed at each row's predicting position."""
+        hooks = _zero_heads_hooks(batch, heads)
+        if hasattr(self.model, "run_with_hooks"):
+            logits = self.model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
+        else:
+            adapter = adapter_for(self.model)
+            handles = [
+                adapter.z_module(int(_Z_NAME.match(name).group(1))).register_forward_pre_hook(
+                    lambda module, args, fn=fn: (
+                        einops.rearrange(
+                            fn(
+                                einops.rearrange(args[0], "b p (h d) -> b p h d", h=self.n_heads),
+                                hook=None,
+                            ),
+                            "b p h d -> b p (h d)",
+                        ),
+                    )
+                )
+                for name, fn in hooks
+            ]
+            try:
+                logits = self.model(batch.tokens).logits
+            finally:
+                for handle in handles:
+                    handle.remove()
+        return margins_at(logits.float(), batch.predict_positions, batch.chosen, batch.contrast)
+
     # --- the single-position recomputation ---------------------------------------------------
 
     def _groups(self, batch: EventBatch) -> list[tuple[_ExampleCache, Tensor, Tensor]]:
         """The rows of `batch` by example: (its clean pass, the rows, their slots in the pass)."""
+        if self.check_record is None and not self._checking:
+            self.check(batch)
         contexts = self._contexts(batch)
         by_example: dict[int, list[int]] = {}
         for row, event in enumerate(batch.events):
@@ -395,7 +411,7 @@ class InterventionEngine:
         [n, 1, head, d_head]; `z_leaves[l]` is added to hook_z (for gradients). `residuals`
         collects the residual entering each layer from `start` on, then the last layer's output;
         with `stop`, layers from `stop` on are not run and nothing is returned."""
-        family = self.family
+        adapter = self.adapter
         first = groups[0][0].resid
         x = torch.empty(n, first.shape[-1], dtype=first.dtype, device=first.device)
         positions = torch.empty(n, dtype=torch.long, device=first.device)
@@ -405,19 +421,15 @@ class InterventionEngine:
         for layer in range(start, self.n_layers if stop is None else stop):
             if residuals is not None:
                 residuals.append(x)
-            q, k, v = family.qkv(layer, x, positions)
-            scale = family.scaling(layer)
-            groups_per_kv = self.n_heads // k.shape[1]
-            q = einops.rearrange(q, "n (k g) d -> n k g d", g=groups_per_kv)
+            q, k, v = adapter.qkv(layer, x, positions)
+            q = einops.rearrange(q, "n (k g) d -> n k g d", g=self.n_heads // k.shape[1])
             # each event attends to its example's earlier positions (clean keys and values) and to
             # its own, recomputed, key and value
-            own = einops.einsum(q, k, "n k g d, n k d -> n k g")[..., None] * scale
+            own = self._scores(layer, einops.einsum(q, k, "n k g d, n k d -> n k g")[..., None])
             z = torch.empty_like(q)
             for cache, rows, _ in groups:
                 keys, values = cache.keys[layer], cache.values[layer]
-                scores = einops.einsum(q[rows], keys, "n k g d, k t d -> n k g t") * scale
-                earlier = torch.arange(keys.shape[1], device=keys.device) < positions[rows, None]
-                scores = scores.masked_fill(~earlier[:, None, None, :], float("-inf"))
+                scores = self._visible(layer, q[rows], keys, positions[rows], include_own=False)
                 weights = torch.cat([scores, own[rows]], dim=-1).float().softmax(dim=-1)
                 weights = weights.to(q.dtype)
                 z[rows] = (
@@ -428,21 +440,53 @@ class InterventionEngine:
             if z_leaves is not None:
                 z = z + z_leaves[layer]
             if layer in layer_hooks:
-                act = z[:, None]
-                for fn in layer_hooks[layer]:
-                    act = fn(act, SimpleNamespace(name=z_hook_name(layer)))
-                    if tuple(act.shape) != (n, 1, self.n_heads, family.d_head):
-                        raise EngineUnsupported(
-                            f"a hook on {z_hook_name(layer)} returned shape {tuple(act.shape)} "
-                            f"for activations [{n}, 1, {self.n_heads}, {family.d_head}]"
-                        )
-                z = act[:, 0]
-            x = family.mlp_block(layer, x + family.attn_out(layer, z))
+                z = self._apply_hooks(layer, layer_hooks[layer], z)
+            x = x + adapter.attn_out(layer, z)
+            x = x + adapter.mlp_out(layer, x)
         if stop is not None:
             return None
         if residuals is not None:
             residuals.append(x)
-        return family.unembed(x)
+        return adapter.unembed(x)
+
+    def _scores(self, layer: int, raw: Tensor) -> Tensor:
+        """Attention scores from query . key products: scaled, soft-capped where the model is."""
+        scores = raw * self.adapter.scaling(layer)
+        cap = self.adapter.attn_softcap(layer)
+        return scores if cap is None else torch.tanh(scores / cap) * cap
+
+    def _visible(
+        self, layer: int, q: Tensor, keys: Tensor, positions: Tensor, include_own: bool
+    ) -> Float[Tensor, "n kv group t"]:
+        """Scores of queries `q` [n, kv, group, d] at `positions` over the clean `keys` [kv, t, d],
+        -inf where the layer hides a key: later positions (and the own one unless `include_own`),
+        and keys outside a sliding window."""
+        scores = self._scores(layer, einops.einsum(q, keys, "n k g d, k t d -> n k g t"))
+        t = torch.arange(keys.shape[1], device=keys.device)[None, :]
+        visible = t <= positions[:, None] if include_own else t < positions[:, None]
+        window = self.adapter.window(layer)
+        if window is not None:
+            visible = visible & (t > positions[:, None] - window)
+        return scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+
+    def _apply_hooks(self, layer: int, hooks: list[Callable], z: Tensor) -> Tensor:
+        """`hooks` on hook_z [n, 1, head, d_head] under TransformerLens's contract: called as
+        ``fn(activation, hook=point)``; one returning None keeps the (maybe in-place edited)
+        activation."""
+        name = z_hook_name(layer)
+        point = self._hook_points.get(name) or SimpleNamespace(name=name, layer=lambda: layer)
+        act = z[:, None].clone()  # an in-place hook must not write into the shared recomputation
+        for fn in hooks:
+            returned = fn(act, hook=point)
+            if returned is None:
+                continue
+            if not isinstance(returned, Tensor) or returned.shape != act.shape:
+                shape = tuple(returned.shape) if isinstance(returned, Tensor) else type(returned)
+                raise EngineUnsupported(
+                    f"a hook on {name} returned {shape} for activations {tuple(act.shape)}"
+                )
+            act = returned
+        return act[:, 0]
 
     def margins(
         self,
@@ -537,7 +581,7 @@ class InterventionEngine:
 
     def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]:
         """Clean hook_z at each event's predicting position (knock-in sources), float32."""
-        out = torch.empty(self.n_layers, len(batch), self.n_heads, self.family.d_head)
+        out = torch.empty(self.n_layers, len(batch), self.n_heads, self.adapter.d_head)
         for cache, rows, slots in self._groups(batch):
             out[:, rows] = cache.z[:, slots].float().cpu()
         return out
@@ -554,7 +598,7 @@ class InterventionEngine:
             dtype, device = groups[0][0].z.dtype, groups[0][0].z.device
             leaves = {
                 layer: torch.zeros(
-                    len(sub), self.n_heads, self.family.d_head, dtype=dtype, device=device
+                    len(sub), self.n_heads, self.adapter.d_head, dtype=dtype, device=device
                 ).requires_grad_()
                 for layer in range(self.n_layers)
             }
@@ -578,16 +622,14 @@ class InterventionEngine:
         context (zero-padded to the longest), computed for those rows alone: no [T, T] pattern."""
         width = int(batch.predict_positions.max()) + 1
         out = torch.zeros(len(batch), self.n_heads, width)
-        family = self.family
+        adapter = self.adapter
         with torch.no_grad():
             for cache, rows, slots in self._groups(batch):
                 positions = torch.tensor(cache.positions)[slots]
-                q, _, _ = family.qkv(layer, cache.resid[layer, slots], positions)
+                q, _, _ = adapter.qkv(layer, cache.resid[layer, slots], positions)
                 keys = cache.keys[layer]
                 q = einops.rearrange(q, "n (k g) d -> n k g d", g=self.n_heads // keys.shape[0])
-                scores = einops.einsum(q, keys, "n k g d, k t d -> n k g t") * family.scaling(layer)
-                visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
-                scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+                scores = self._visible(layer, q, keys, positions, include_own=True)
                 pattern = einops.rearrange(scores.float().softmax(-1), "n k g t -> n (k g) t")
                 # the clean pass may reach past this batch's rows (an example's later events)
                 span = min(keys.shape[1], width)
@@ -606,6 +648,26 @@ def event_view(batch: EventBatch) -> EventBatch:
         batch.contrast,
         batch.events,
     )
+
+
+def _zero_heads_hooks(batch: EventBatch, heads: list) -> list[tuple[str, Callable]]:
+    """hook_z hooks zeroing `heads` at each row's predicting position (the self-check's
+    intervention: it needs no reference means)."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+
+    def zero(heads_of_layer):
+        def fn(act, hook):
+            act = act.clone()
+            rows = torch.arange(act.shape[0])
+            for head in heads_of_layer:
+                act[rows, batch.predict_positions, head] = 0.0
+            return act
+
+        return fn
+
+    return [(z_hook_name(layer), zero(hs)) for layer, hs in sorted(by_layer.items())]
 
 
 def _margins(logits: Float[Tensor, "n vocab"], view: EventBatch) -> Float[Tensor, "n"]:
