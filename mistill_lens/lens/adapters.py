@@ -48,10 +48,6 @@ class Adapter:
     def scaling(self, layer: int) -> float:
         raise NotImplementedError
 
-    def attn_softcap(self, layer: int) -> float | None:
-        """Soft-capping of the attention scores (tanh), where the architecture has it."""
-        return None
-
     def window(self, layer: int) -> int | None:
         """A sliding window: position p sees keys t with p - window < t <= p (None: all t <= p)."""
         return None
@@ -126,7 +122,9 @@ class LlamaAdapter(Adapter):
 class Gemma3Adapter(LlamaAdapter):
     """Gemma 3 (text): QK-norm, queries scaled by ``query_pre_attn_scalar``, norms after the
     attention and after the MLP, rotary buffers per layer type (local and global), sliding-window
-    layers, optional soft-capping. The scaled embedding lives in the clean pass only."""
+    layers, optional final-logit soft-capping (transformers' Gemma 3 does not apply the config's
+    attention soft-capping, so neither does this). The scaled embedding lives in the clean pass
+    only."""
 
     def _rotate(self, layer, q, k, v, positions):
         from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
@@ -142,9 +140,6 @@ class Gemma3Adapter(LlamaAdapter):
         q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self._rotate(layer, q, k, v, positions)
         return q[:, :, 0], k[:, :, 0], v[:, :, 0]
-
-    def attn_softcap(self, layer):
-        return self.layer_module(layer).self_attn.attn_logit_softcapping
 
     def attn_out(self, layer, z):
         block = self.layer_module(layer)

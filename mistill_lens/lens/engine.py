@@ -101,16 +101,13 @@ def unbridged(model: TransformerBridge | PreTrainedModel) -> PreTrainedModel:
 
     The twin is built on the meta device (no second copy of the weights, not even a transient one)
     and refuses to exist with anything of its own left unfilled."""
-    if isinstance(model, PreTrainedModel):
-        hf = model
-        if hf.config._attn_implementation == "sdpa":
-            return hf
-    else:
-        hf = getattr(model, "original_model", None)
-        if not isinstance(hf, PreTrainedModel):
-            raise EngineUnsupported(
-                f"{type(model).__name__} is neither a TransformerBridge nor a Hugging Face model"
-            )
+    hf = model if isinstance(model, PreTrainedModel) else getattr(model, "original_model", None)
+    if not isinstance(hf, PreTrainedModel):
+        raise EngineUnsupported(
+            f"{type(model).__name__} is neither a TransformerBridge nor a Hugging Face model"
+        )
+    if hf is model and hf.config._attn_implementation == "sdpa":
+        return hf
     theirs = _named_tensors(hf)
     with torch.device("meta"):
         twin = type(hf)._from_config(hf.config, attn_implementation="sdpa")
@@ -450,10 +447,8 @@ class InterventionEngine:
         return adapter.unembed(x)
 
     def _scores(self, layer: int, raw: Tensor) -> Tensor:
-        """Attention scores from query . key products: scaled, soft-capped where the model is."""
-        scores = raw * self.adapter.scaling(layer)
-        cap = self.adapter.attn_softcap(layer)
-        return scores if cap is None else torch.tanh(scores / cap) * cap
+        """Attention scores from query . key products."""
+        return raw * self.adapter.scaling(layer)
 
     def _visible(
         self, layer: int, q: Tensor, keys: Tensor, positions: Tensor, include_own: bool
