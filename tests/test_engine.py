@@ -294,6 +294,11 @@ def test_the_whole_characterisation_is_the_same_on_the_engine(planted, tmp_path)
             near_miss_text=lambda example, event: event.chosen if event.kind == "region" else None,
         )
         summaries[engine].pop("config")
+    # the backend and the engine's self-check against the full forward are recorded
+    engine_backend, full_backend = summaries[True].pop("backend"), summaries[False].pop("backend")
+    assert full_backend == {"name": "full forward"}
+    assert engine_backend["name"] == "engine" and engine_backend["check"]["passed"]
+    assert engine_backend["check"]["max_abs_diff"] <= engine_backend["check"]["tolerance"]
     assert summaries[True]["circuit"] == [list(DECIDER), list(WITHIN)]
     # heads tied at (near) zero effect are ranked by float noise: compare the leaders only
     engine_top, full_top = summaries[True].pop("top_heads"), summaries[False].pop("top_heads")

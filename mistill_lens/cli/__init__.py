@@ -582,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        if type(err).__name__ == "EngineMismatch":  # the library names its parameter, we our flag
+            message = f"{message}; on the command line: --no-engine"
         print(f"{prefix}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from err
     finally:

@@ -439,10 +439,12 @@ def characterize(
     torch.manual_seed(config.seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        backend: dict[str, Any] = {"name": "full forward"}
         if config.engine and not isinstance(model, InterventionEngine):
             try:
                 model = InterventionEngine(model)
             except EngineUnsupported as err:
+                backend["fallback"] = str(err)
                 warnings.warn(
                     f"{err}: the characterisation runs on the full forward", EngineFallbackWarning
                 )
@@ -463,9 +465,11 @@ def characterize(
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
+    if isinstance(model, InterventionEngine):  # with its self-check against the full forward
+        backend = {"name": "engine", "check": model.check_record}
     extra = dict(provenance or {})
     result.warnings.extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
-    result.provenance = extra
+    result.provenance = {"backend": backend, **extra}
     return result
 
 

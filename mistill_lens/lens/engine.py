@@ -298,9 +298,9 @@ class InterventionEngine:
                 f"the intervention engine disagrees with the model's own forward by up to "
                 f"{record['max_abs_diff']:.3g} logits (tolerance {record['tolerance']:.3g}, "
                 f"{record['n_events']} events; {record['comparisons']}): its numbers would be wrong for "
-                "this model. Run on the full forward instead (CharacterizeConfig(engine=False); "
-                "on the command line --no-engine), which is exact but costs one forward per event "
-                "row (~1,500x slower on the default teacher)"
+                "this model. Run on the full forward instead (CharacterizeConfig(engine=False)), "
+                "which is exact but costs one forward per event row (~1,500x slower on the "
+                "default teacher)"
             )
         return record
 
