@@ -230,14 +230,12 @@ class InterventionEngine:
         ]
         try:
             device = next(self.hf.parameters()).device
-            # a cache without sliding layers: a sliding-window layer's cache would keep only the
-            # last window of the whole prefix, and an event needs the window of its own position
-            out = self.hf(
-                tokens[None].to(device),
-                past_key_values=DynamicCache(),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            # with sliding-window layers, a cache that keeps every key: a sliding layer's own
+            # cache keeps only the last window of the whole prefix, and an event needs the window
+            # ending at its own position
+            sliding = any(adapter.window(layer) for layer in range(self.n_layers))
+            cache = {"past_key_values": DynamicCache()} if sliding else {}
+            out = self.hf(tokens[None].to(device), use_cache=True, logits_to_keep=1, **cache)
         finally:
             for handle in handles:
                 handle.remove()
