@@ -47,7 +47,6 @@ _API = {
         "gather_at_positions",
         "attribution_scores",
         "compute_head_means",
-        "means_from_events",
         "event_position_classes",
         "collect_z",
         "run_margins",
@@ -55,7 +54,14 @@ _API = {
         "validate_heads",
         "row_head_ablation_hooks",
     ),
-    "mistill_lens.lens.engine": ("InterventionEngine", "EngineUnsupported", "event_view"),
+    "mistill_lens.lens.engine": ("InterventionEngine", "EngineMismatch", "event_view"),
+    "mistill_lens.lens.backends": (
+        "means_from_events",
+        "EngineFallbackWarning",
+        "EngineUnsupported",
+        "FullForward",
+        "backend_for",
+    ),
     "mistill_lens.lens.calibration": ("Calibration", "calibrate", "null_events"),
     "mistill_lens.lens.sweep": (
         "ablation_sweep",
@@ -63,7 +69,6 @@ _API = {
         "clean_margins",
         "chunked_margins",
         "effects_tensor",
-        "EngineFallbackWarning",
     ),
     "mistill_lens.lens.circuits": (
         "select_circuit",

@@ -11,6 +11,7 @@ from planted import DECIDER, WITHIN, planted_examples
 from transformer_lens import TransformerBridge
 
 from mistill_lens import task
+from mistill_lens.lens.backends import EngineFallbackWarning, means_from_events
 from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
 from mistill_lens.lens.elicitation import carrying_heads, residuals_before
@@ -23,11 +24,9 @@ from mistill_lens.lens.hooks import (
     event_position_classes,
     knock_in_hooks,
     mean_ablation_hooks,
-    means_from_events,
     run_margins,
 )
 from mistill_lens.lens.sweep import (
-    EngineFallbackWarning,
     ablation_sweep,
     chunked_margins,
     effects_tensor,

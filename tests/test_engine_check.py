@@ -109,6 +109,7 @@ def test_the_engine_honours_the_transformer_lens_hook_contract(hook):
     model, tokenizer = gqa_llama()
     batch = task_batch(tokenizer)
     engine = InterventionEngine(model)
+
     def hooks_for(b):
         return [("blocks.1.attn.hook_z", hook(b))]
 

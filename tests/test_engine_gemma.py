@@ -8,6 +8,7 @@ import torch
 from transformer_lens import TransformerBridge
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from mistill_lens.lens.backends import means_from_events
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, make_event_batch
 from mistill_lens.lens.hooks import (
@@ -15,7 +16,6 @@ from mistill_lens.lens.hooks import (
     attribution_scores,
     event_position_classes,
     mean_ablation_hooks,
-    means_from_events,
     run_margins,
 )
 from mistill_lens.models.tokenizers import student_tokenizer

@@ -6,12 +6,12 @@ from transformer_lens import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mistill_lens import task
+from mistill_lens.lens.backends import means_from_events
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, make_event_batch
 from mistill_lens.lens.hooks import (
     event_position_classes,
     mean_ablation_hooks,
-    means_from_events,
     run_margins,
 )
 

@@ -271,7 +271,7 @@ def test_the_same_hooks_work_on_a_llama_bridge_with_grouped_kv_heads(planted, pl
     from transformer_lens import TransformerBridge
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mistill_lens.lens.hooks import means_from_events
+    from mistill_lens.lens.backends import means_from_events
 
     _, tokenizer = planted
     torch.manual_seed(0)

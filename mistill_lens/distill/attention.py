@@ -23,7 +23,7 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.distill.align import require_offsets, transfer_mass
-from mistill_lens.lens.engine import InterventionEngine
+from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EncodedExample, events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
@@ -73,7 +73,8 @@ def teacher_event_attention(
 ) -> list[Float[Tensor, "key"]]:
     """Per event of `encoded`: the teacher's attention row at its predicting position over source
     positions ``0..predict_position``, averaged over the event kind's heads. On an
-    :class:`InterventionEngine` only those rows are computed (no [T, T] pattern)."""
+    :class:`~mistill_lens.lens.engine.InterventionEngine` only those rows are computed (no [T, T]
+    pattern)."""
     if not encoded.events:
         return []
     for kind in {e.kind for e in encoded.events}:
@@ -81,22 +82,8 @@ def teacher_event_attention(
             raise KeyError(f"no teacher head set for event kind {kind!r}")
         validate_heads(teacher, heads_by_kind[kind])  # raises on an empty or out-of-range set
     layers = sorted({layer for e in encoded.events for layer, _ in heads_by_kind[e.kind]})
-    if isinstance(teacher, InterventionEngine):  # the event rows alone, from one clean pass
-        batch = make_event_batch([encoded])
-        per_layer = {layer: teacher.event_patterns(batch, layer) for layer in layers}
-    else:
-        width = max(e.position for e in encoded.events)  # the context every prediction needs
-        _, cache = teacher.run_with_cache(
-            torch.tensor([encoded.tokens[:width]]),
-            names_filter=[pattern_name(layer) for layer in layers],
-        )
-        queries = torch.tensor([e.predict_position for e in encoded.events])
-        per_layer = {
-            layer: einops.rearrange(
-                cache[pattern_name(layer)][0, :, queries], "head event key -> event head key"
-            )
-            for layer in layers
-        }
+    # on the engine the event rows alone, from one clean pass: no [T, T] pattern
+    per_layer = backend_for(teacher).event_rows(make_event_batch([encoded]), layers)
     rows = []
     for row, event in enumerate(encoded.events):
         q = event.predict_position

@@ -28,7 +28,7 @@ from mistill_lens.distill.attention import (
     pooled_attention,
     student_item,
 )
-from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
+from mistill_lens.lens.backends import choose_backend
 from mistill_lens.lens.fingerprint import value_digest
 from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
@@ -147,14 +147,9 @@ def distillation_items(
 ) -> tuple[list[DistillItem], int]:
     """Items for every example that fits the student's context, and how many did not fit. The
     teacher's attention rows come from the InterventionEngine where it supports the teacher."""
-    try:  # each example's clean pass serves its own events only: keep no more than one
-        teacher = (
-            teacher
-            if isinstance(teacher, InterventionEngine)
-            else InterventionEngine(teacher, cache_bytes=0)
-        )
-    except EngineUnsupported:  # the full forward gives the same rows, at T^2 memory
-        pass
+    # each example's clean pass serves its own events only: keep no more than one (the full
+    # forward, where the engine cannot run, gives the same rows at T^2 memory)
+    teacher, _ = choose_backend(teacher, engine=True, cache_bytes=0)
     items, too_long = [], 0
     for index, example in enumerate(examples):
         if len(encode(student_tokenizer, example.prompt, example.output)[0]) > n_ctx:

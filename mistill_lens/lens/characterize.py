@@ -25,6 +25,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from mistill_lens import options
+from mistill_lens.lens.backends import (
+    EngineFallbackWarning,
+    backend_for,
+    backend_record,
+    choose_backend,
+    means_from_events,
+)
 from mistill_lens.lens.calibration import Calibration, calibrate, null_events
 from mistill_lens.lens.circuits import (
     ablation_curve,
@@ -43,7 +50,6 @@ from mistill_lens.lens.elicitation import (
     elicitation_lead,
     top_heads,
 )
-from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
 from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
@@ -57,13 +63,10 @@ from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
     all_heads,
-    attribution_scores,
-    means_from_events,
 )
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
-    EngineFallbackWarning,
     ablation_sweep,
     clean_margins,
     effects_tensor,
@@ -150,11 +153,9 @@ def reference_means(
 def chunked_attribution(
     model: HookedModel, batch: EventBatch, means: HeadMeans, batch_size: int
 ) -> Float[Tensor, "event layer head"]:
-    """Attribution scores, one forward + backward per chunk of events (memory stays bounded); on
-    the engine, single-position passes."""
-    if isinstance(model, InterventionEngine):
-        return model.attribution(batch, means)
-    return torch.cat([attribution_scores(model, sub, means) for sub in batch.chunks(batch_size)])
+    """Attribution scores: on the full forward one forward + backward per chunk of `batch_size`
+    events (memory stays bounded); on the engine, single-position passes."""
+    return backend_for(model, batch_size).attribution(batch, means)
 
 
 def rank_correlation(a: Tensor, b: Tensor) -> float:
@@ -439,15 +440,7 @@ def characterize(
     torch.manual_seed(config.seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backend: dict[str, Any] = {"name": "full forward"}
-        if config.engine and not isinstance(model, InterventionEngine):
-            try:
-                model = InterventionEngine(model)
-            except EngineUnsupported as err:
-                backend["fallback"] = str(err)
-                warnings.warn(
-                    f"{err}: the characterisation runs on the full forward", EngineFallbackWarning
-                )
+        model, fallback = choose_backend(model, config.engine)
         result = _characterize(
             model,
             tokenizer,
@@ -465,11 +458,9 @@ def characterize(
             warnings.warn_explicit(
                 warning.message, warning.category, warning.filename, warning.lineno
             )
-    if isinstance(model, InterventionEngine):  # with its self-check against the full forward
-        backend = {"name": "engine", "check": model.check_record}
     extra = dict(provenance or {})
     result.warnings.extend(extra.pop("warnings", []))  # the caller's own, beside the pipeline's
-    result.provenance = {"backend": backend, **extra}
+    result.provenance = {"backend": backend_record(model, fallback), **extra}
     return result
 
 
@@ -515,7 +506,7 @@ def _characterize(
             if out_path is None:
                 raise ValueError("a sweep sharded over Ray needs a sweep_dir for its shard tables")
             return sharded_sweep(
-                model.model if isinstance(model, InterventionEngine) else model,
+                model.model,
                 events,
                 means,
                 out_path,

@@ -15,10 +15,9 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens.utilities import get_act_name
 
+from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
@@ -32,9 +31,7 @@ from mistill_lens.lens.hooks import (
     HeadMeans,
     ablate_all_but_hooks,
     all_heads,
-    collect_z,
     event_position_classes,
-    gather_at_positions,
     knock_in_hooks,
     validate_heads,
 )
@@ -151,14 +148,7 @@ def knock_in_transfer(
         targets = rows[part.start : part.stop]
         sources = donors[targets]
         source_batch = batch.select(sources)
-        if isinstance(model, InterventionEngine):
-            values = model.event_z(source_batch)
-        else:
-            values = gather_at_positions(
-                collect_z(model, source_batch.tokens),
-                torch.arange(len(sources)),
-                source_batch.predict_positions,
-            )
+        values = backend_for(model).event_z(source_batch)
         target_batch = batch.select(targets)
         # B's contexts scored on A's decision (A's chosen and contrast tokens)
         donor_choice = EventBatch(
@@ -371,26 +361,7 @@ def event_attention_rows(
 ) -> dict[int, Float[Tensor, "event head key"]]:
     """Each head's clean attention row from each event's predicting position, per layer: on the
     engine those rows alone, else one forward that keeps only the query rows of its patterns."""
-    layers = list(layers)
-    if isinstance(model, InterventionEngine):  # no [T, T] pattern at all
-        return {layer: model.event_patterns(batch, layer) for layer in layers}
-    rows: dict[int, Tensor] = {}
-
-    def keep_query_row(layer: int):
-        def hook(pattern, hook):
-            rows[layer] = pattern[
-                torch.arange(len(batch)), :, batch.predict_positions
-            ].detach()  # [event, head, key]
-            return pattern
-
-        return hook
-
-    with torch.no_grad():
-        model.run_with_hooks(
-            batch.tokens,
-            fwd_hooks=[(get_act_name("pattern", layer), keep_query_row(layer)) for layer in layers],
-        )
-    return rows
+    return backend_for(model).event_rows(batch, list(layers))
 
 
 def _target_mask(

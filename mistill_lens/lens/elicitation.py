@@ -10,7 +10,7 @@ heads carry the readout (mean-ablation at r - k), to compare with the late, deci
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import einops
@@ -18,28 +18,18 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from transformer_lens.utilities import get_act_name
 
-from mistill_lens.lens.engine import InterventionEngine
+from mistill_lens.lens.backends import backend_for, residual_stages
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.hooks import (
     Head,
     HookPair,
     all_heads,
-    compute_head_means,
     mean_ablation_hooks,
 )
 from mistill_lens.lens.model_types import HookedModel
 
 DEFAULT_KS = tuple(range(1, 9))
-
-
-def residual_stages(model: HookedModel) -> list[str]:
-    """Hook names of the residual stream before each layer and after the last."""
-    n_layers = model.cfg.n_layers
-    return [get_act_name("resid_pre", l) for l in range(n_layers)] + [
-        get_act_name("resid_post", n_layers - 1)
-    ]
 
 
 def early_positions(
@@ -69,37 +59,7 @@ def residuals_before(
     read at r - k (``b.predict_positions`` is r - k); on an InterventionEngine, single-position
     recomputations instead of the forward."""
     positions, _ = early_positions(batch, ks)
-    if isinstance(model, InterventionEngine):
-        # every k in one call: each example's clean pass is then made once, for all its positions
-        every_k = EventBatch(
-            batch.tokens.repeat(len(ks), 1),
-            positions.flatten(),
-            batch.chosen.repeat(len(ks)),
-            batch.contrast.repeat(len(ks), 1),
-            list(batch.events) * len(ks),
-        )
-        residuals = model.residuals(every_k, hooks_for)
-        return einops.rearrange(residuals, "s (k e) d -> k s e d", k=len(ks))
-    stages = residual_stages(model)
-    rows = torch.arange(len(batch))
-    store: dict[str, Tensor] = {}
-
-    def keep(name: str):
-        def hook(act: Tensor, hook) -> Tensor:
-            store[name] = torch.stack(
-                [act[rows, p] for p in positions]
-            ).detach()  # [k, event, d_model]
-            return act
-
-        return hook
-
-    extra_hooks = []
-    if hooks_for is not None:
-        if len(positions) != 1:
-            raise ValueError("hooks_for reads one k at a time (the hooks act at r - k)")
-        extra_hooks = list(hooks_for(at_positions(batch, positions[0])))
-    model.run_with_hooks(batch.tokens, fwd_hooks=[*extra_hooks, *[(s, keep(s)) for s in stages]])
-    return einops.rearrange(torch.stack([store[s] for s in stages]), "s k e d -> k s e d")
+    return backend_for(model).residuals_at(batch, positions, hooks_for)
 
 
 @torch.no_grad()
@@ -274,9 +234,11 @@ def carrying_heads(
         classes[torch.arange(len(b)), b.predict_positions] = 0
         return classes
 
-    means = compute_head_means(
-        model, sub.tokens, early_class(at_positions(sub, positions)), ("early",)
-    )
+    # the means at the read positions on the model's backend (on the engine, from its clean passes:
+    # a full forward over these rows would hold every row's full-vocabulary logits at once)
+    read = at_positions(sub, positions)
+    read.events = [replace(event, kind="early") for event in read.events]
+    means = backend_for(model).head_means(read, ("early",))
     clean = residuals_before(model, sub, [k])[0, stage]
 
     probe = train_probe(clean[train], sub.chosen[train])

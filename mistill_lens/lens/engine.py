@@ -48,8 +48,11 @@ from transformers import DynamicCache, PreTrainedModel
 from mistill_lens.lens.adapters import EngineUnsupported, adapter_for
 from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
 from mistill_lens.lens.hooks import (
+    Head,
+    HeadMeans,
     HookPair,
     check_hook_names,
+    class_means,
     event_position_classes,
     row_head_ablation_hooks,
     z_hook_name,
@@ -75,9 +78,10 @@ class _ExampleCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _named_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
+def model_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
     """Every parameter and buffer of `module` (persistent or not, tied names included), under the
-    plain Hugging Face names (the bridge inserts `._original_component` into them)."""
+    plain Hugging Face names (the bridge inserts `._original_component` into them): what
+    :func:`twin_of` needs to rebuild the model exactly, in this process or another."""
     tensors = {
         **dict(module.named_buffers(remove_duplicate=False)),
         **dict(module.named_parameters(remove_duplicate=False)),
@@ -108,10 +112,15 @@ def unbridged(model: TransformerBridge | PreTrainedModel) -> PreTrainedModel:
         )
     if hf is model and hf.config._attn_implementation == "sdpa":
         return hf
-    theirs = _named_tensors(hf)
+    return twin_of(type(hf), hf.config, model_tensors(hf))
+
+
+def twin_of(model_class: type, config, theirs: dict[str, Tensor]) -> PreTrainedModel:
+    """A `model_class` model with memory-efficient attention whose every parameter and buffer is
+    the tensor of the same name in `theirs` (shared, not copied), built on the meta device."""
     with torch.device("meta"):
-        twin = type(hf)._from_config(hf.config, attn_implementation="sdpa")
-    wanted = _named_tensors(twin)
+        twin = model_class._from_config(config, attn_implementation="sdpa")
+    wanted = model_tensors(twin)
     missing = sorted(set(wanted) - set(theirs))
     if missing:
         raise EngineUnsupported(f"cannot find these tensors behind the model: {missing[:3]}")
@@ -119,7 +128,7 @@ def unbridged(model: TransformerBridge | PreTrainedModel) -> PreTrainedModel:
         _put(twin, name, theirs[name])
     # plain attributes a model computes from its config at construction (rotary attention
     # scaling, ...) are the config's on both; tensors are the model's own, checked here
-    left = [name for name, t in _named_tensors(twin).items() if t.is_meta]
+    left = [name for name, t in model_tensors(twin).items() if t.is_meta]
     if left:
         raise EngineUnsupported(f"the engine's copy left these tensors unfilled: {left[:3]}")
     return twin.eval()
@@ -609,6 +618,57 @@ class InterventionEngine:
                 grad, act - mean, "l n h d, l n h d -> n l h"
             )
         return scores
+
+    def sweep_groups(self, heads: Sequence[Head]) -> list[list[Head]]:
+        """Heads swept together: a layer's in one batched recomputation."""
+        by_layer: dict[int, list[Head]] = {}
+        for head in heads:
+            by_layer.setdefault(head[0], []).append(head)
+        return list(by_layer.values())
+
+    def sweep_heads(
+        self, batch: EventBatch, means, heads: Sequence[Head]
+    ) -> Float[Tensor, "head event"]:
+        """Margins with each of `heads` (one layer's: a group of :meth:`sweep_groups`) ablated
+        alone."""
+        layers = {layer for layer, _ in heads}
+        if len(layers) != 1:
+            raise ValueError(f"sweep_heads takes one layer's heads (a sweep group), got {heads}")
+        return self.layer_sweep(batch, means, layers.pop(), [h for _, h in heads])
+
+    def event_rows(
+        self, batch: EventBatch, layers: Sequence[int]
+    ) -> dict[int, Float[Tensor, "event head key"]]:
+        """:meth:`event_patterns` of each of `layers`: no [T, T] pattern at all."""
+        return {layer: self.event_patterns(batch, layer) for layer in layers}
+
+    def residuals_at(
+        self,
+        batch: EventBatch,
+        positions: Tensor,
+        hooks_for: Callable[[EventBatch], Sequence[HookPair]] | None = None,
+    ) -> Float[Tensor, "k stage event d_model"]:
+        """The residual stream at `positions` [k, event] (earlier positions of the rows' contexts),
+        every stage, with `hooks_for`'s hooks acting there: every k in one call, so each example's
+        clean pass is made once for all its positions."""
+        k = len(positions)
+        every_k = EventBatch(
+            batch.tokens.repeat(k, 1),
+            positions.flatten(),
+            batch.chosen.repeat(k),
+            batch.contrast.repeat(k, 1),
+            list(batch.events) * k,
+        )
+        return einops.rearrange(self.residuals(every_k, hooks_for), "s (k e) d -> k s e d", k=k)
+
+    def head_means(self, batch: EventBatch, class_names: Sequence[str]) -> HeadMeans:
+        """Per-class means of hook_z at the rows' predicting positions (class: each position's
+        class among `class_names`), from the clean passes: no forward over the rows."""
+        position_class = event_position_classes(batch, class_names)
+        classes = position_class[torch.arange(len(batch)), batch.predict_positions]
+        one_hot = torch.nn.functional.one_hot(classes, len(class_names)).double()
+        sums = einops.einsum(one_hot, self.event_z(batch).double(), "e c, l e h d -> c l h d")
+        return class_means(class_names, sums, one_hot.sum(dim=0).long())
 
     def event_patterns(self, batch: EventBatch, layer: int) -> Float[Tensor, "event head pos"]:
         """Clean attention of each head of `layer` from each event's predicting position over its

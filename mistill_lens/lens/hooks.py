@@ -184,30 +184,13 @@ def compute_head_means(
         chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")
         sums = chunk if sums is None else sums + chunk
         counts += one_hot.sum(dim=(0, 1)).long()
-    return _class_means(class_names, sums, counts)
+    return class_means(class_names, sums, counts)
 
 
-def _class_means(class_names: Sequence[str], sums: Tensor, counts: Tensor) -> HeadMeans:
+def class_means(class_names: Sequence[str], sums: Tensor, counts: Tensor) -> HeadMeans:
     """HeadMeans from float64 per-class sums [cls, layer, head, d_head] and position counts."""
     means = sums / counts.clamp(min=1).double().view(-1, 1, 1, 1)
     return HeadMeans(tuple(class_names), means.to(torch.float32), counts)
-
-
-def means_from_events(
-    model: HookedModel, batch: EventBatch, class_names: Sequence[str] | None = None
-) -> HeadMeans:
-    """Reference means at the predicting positions of `batch`'s events, one class per event kind
-    (default classes: `position_class_names` of the batch's kinds)."""
-    names = position_class_names(batch.kinds) if class_names is None else tuple(class_names)
-    from mistill_lens.lens.engine import InterventionEngine  # the engine builds on this module
-
-    position_class = event_position_classes(batch, names)
-    if isinstance(model, InterventionEngine):  # hook_z at the events from the clean passes
-        classes = position_class[torch.arange(len(batch)), batch.predict_positions]
-        one_hot = torch.nn.functional.one_hot(classes, len(names)).double()
-        sums = einops.einsum(one_hot, model.event_z(batch).double(), "e c, l e h d -> c l h d")
-        return _class_means(names, sums, one_hot.sum(dim=0).long())
-    return compute_head_means(model, batch.tokens, position_class, names)
 
 
 # --- mean ablation ---------------------------------------------------------------------------

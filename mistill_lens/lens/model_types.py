@@ -1,18 +1,26 @@
-"""What the lens runs on, as types: a hooked model and a tokenizer."""
+"""What the lens runs on, as types: a hooked model and a tokenizer (a leaf module: it names no
+backend, so every module can import it)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import Any, Protocol, Sequence, Union, runtime_checkable
 
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    from mistill_lens.lens.engine import InterventionEngine
 
-# A model the hook functions run on: a TransformerLens 4 bridge, or the InterventionEngine around
-# one (it takes the same hooks, at event positions).
-HookedModel = Union[TransformerBridge, "InterventionEngine"]
+@runtime_checkable
+class HookedModel(Protocol):
+    """A model the hook functions run on: TransformerLens 4's ``TransformerBridge`` (or a
+    ``HookedTransformer``), or a backend that stands in for one (the InterventionEngine, the full
+    forward of :mod:`mistill_lens.lens.backends`): its ``cfg`` (``n_layers``, ``n_heads``,
+    ``d_head``, ...) and hook points by name."""
+
+    cfg: Any
+
+    def run_with_hooks(self, *args: Any, fwd_hooks: Sequence[Any] = (), **kwargs: Any) -> Any: ...
+
+
 # A Hugging Face tokenizer (a fast one where character spans are mapped to tokens).
 Tokenizer = PreTrainedTokenizerBase
 # Decoding and the engine also take the plain Hugging Face model.

@@ -14,7 +14,7 @@ from typing import Iterable
 import pandas as pd
 import torch
 
-from mistill_lens.lens.engine import InterventionEngine, unbridged
+from mistill_lens.lens.engine import InterventionEngine, model_tensors, twin_of, unbridged
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import write_fingerprint
 from mistill_lens.lens.hooks import Head, HeadMeans, all_heads, validate_heads
@@ -50,11 +50,9 @@ def _sweep_shard(
     weights, batch: EventBatch, means: HeadMeans, heads, out_path, stale: str
 ) -> pd.DataFrame:
     torch.set_num_threads(1)  # one core per task: Ray schedules the tasks over the cores
-    model_class, config, state = weights
-    model = model_class._from_config(config, attn_implementation="sdpa")
-    model.load_state_dict(state)
+    model_class, config, tensors = weights
     return ablation_sweep(
-        InterventionEngine(model.eval()),
+        InterventionEngine(twin_of(model_class, config, tensors)),
         batch,
         means,
         out_path,
@@ -83,9 +81,11 @@ def sharded_sweep(
     groups = shard_rows(batch, shards)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    # the weights travel as the Hugging Face class, config and tensors (a bridge does not pickle)
+    # the model travels as its Hugging Face class, config and every tensor, buffers included (a
+    # bridge does not pickle; a buffer rebuilt from the config may not be the model's)
     hf = unbridged(model)
-    weights = ray.put((type(hf), hf.config, {k: v.detach() for k, v in hf.state_dict().items()}))
+    tensors = {name: t.detach() for name, t in model_tensors(hf).items()}
+    weights = ray.put((type(hf), hf.config, tensors))
     task = ray.remote(num_cpus=1)(_sweep_shard)
     out_path = Path(out_path) if out_path is not None else None
     pending = []

@@ -16,7 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine
+from mistill_lens.lens.backends import backend_for, event_margins
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import (
     StaleResultError,
@@ -35,7 +35,6 @@ from mistill_lens.lens.hooks import (
     all_heads,
     event_position_classes,
     mean_ablation_hooks,
-    run_margins,
     validate_heads,
 )
 from mistill_lens.lens.model_types import HookedModel
@@ -54,10 +53,6 @@ SWEEP_COLUMNS = [
 ]
 
 
-class EngineFallbackWarning(UserWarning):
-    """An intervention the engine cannot apply ran on the full forward instead."""
-
-
 def chunked_margins(
     model: HookedModel,
     batch: EventBatch,
@@ -66,17 +61,10 @@ def chunked_margins(
 ) -> Float[Tensor, "event"]:
     """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks.
 
-    With an :class:`InterventionEngine` as `model`, each chunk runs at decode cost on the
-    event-position view; hooks the engine cannot apply run on the full forward, with a warning."""
-    if isinstance(model, InterventionEngine):
-        try:
-            return model.margins(batch, hooks_for, chunk=batch_size)
-        except EngineUnsupported as err:
-            warnings.warn(
-                f"{err}: these margins ran on the full forward", EngineFallbackWarning, stacklevel=2
-            )
-            model = model.model
-    return torch.cat([run_margins(model, sub, hooks_for(sub)) for sub in batch.chunks(batch_size)])
+    On an :class:`~mistill_lens.lens.engine.InterventionEngine` each chunk runs at decode cost on
+    the event-position view; hooks the engine cannot apply run on the full forward, with a warning
+    (:func:`mistill_lens.lens.backends.event_margins`)."""
+    return event_margins(model, batch, hooks_for, batch_size)
 
 
 def ablated_margins(
@@ -204,13 +192,10 @@ def ablation_sweep(
         )  # drop any partial head (or a stale table) before appending
     frames = [done]
     todo = [h for h in heads if h not in finished]
+    backend = backend_for(model, batch_size)
     with tqdm(total=len(todo), desc="ablation sweep", disable=not progress) as bar:
-        for group in _sweep_groups(model, todo):
-            if isinstance(model, InterventionEngine):  # a layer's heads in one batched pass
-                layer = group[0][0]
-                ablated = model.layer_sweep(batch, means, layer, [h for _, h in group])
-            else:
-                ablated = [ablated_margins(model, batch, means, group, batch_size)]
+        for group in backend.sweep_groups(todo):
+            ablated = backend.sweep_heads(batch, means, group)
             for head, margins in zip(group, ablated):
                 rows = _sweep_rows(batch, head, clean, margins)
                 if out_path is not None:
@@ -219,16 +204,6 @@ def ablation_sweep(
                 bar.update(1)
     table = pd.concat([f for f in frames if len(f)], ignore_index=True)
     return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
-
-
-def _sweep_groups(model: HookedModel, heads: list[Head]) -> list[list[Head]]:
-    """Heads run together: a layer's at once on the engine, one by one on the full forward."""
-    if not isinstance(model, InterventionEngine):
-        return [[head] for head in heads]
-    by_layer: dict[int, list[Head]] = {}
-    for head in heads:
-        by_layer.setdefault(head[0], []).append(head)
-    return list(by_layer.values())
 
 
 def read_table(path: str | Path) -> pd.DataFrame:

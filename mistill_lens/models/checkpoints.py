@@ -8,7 +8,6 @@ TransformerLens 4 :class:`TransformerBridge`.
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 from pathlib import Path
@@ -24,7 +23,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from mistill_lens.lens.model_types import Tokenizer
+from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.tokenizers import load_tokenizer
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 
@@ -240,32 +239,6 @@ def load_hf_model(
         )
     model.eval()
     return model, tokenizer
-
-
-def to_bridge(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    dtype: torch.dtype = torch.float32,
-    name: str | None = None,
-):
-    """Wrap a Hugging Face model in a TransformerBridge (it adapts ``model`` in place: deep-copy it
-    first if you need the unbridged model too). ``name`` labels the bridge (default: the model
-    type); with ``hf_model`` given, TransformerLens reads its config and never calls the hub.
-
-    The bridge gets its own copy of the tokenizer: TransformerLens 4.3 edits the tokenizer it is
-    given, and a second bridge on the same object fails with ``KeyError: 'name_or_path'``.
-    """
-    from transformer_lens import TransformerBridge
-
-    bridge = TransformerBridge.boot_transformers(
-        name or model.config.model_type,
-        hf_model=model,
-        tokenizer=copy.deepcopy(tokenizer),
-        device="cpu",
-        dtype=dtype,
-    )
-    bridge.eval()
-    return bridge
 
 
 def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):

@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from mistill_lens.models.checkpoints import to_bridge
+from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.generate import greedy_tokens
 
 if (

@@ -39,7 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from mistill_lens import task
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.lens.model_types import Tokenizer
-from mistill_lens.models.checkpoints import to_bridge
+from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.generate import verified_greedy
 from mistill_lens.models.gguf import chat_prompt_text, find_smollm2_gguf, load_gguf_hf_model
 from mistill_lens.task.icd import region_of, suffix_of
