@@ -90,13 +90,8 @@ _API = {
         "carrying_heads",
         "top_heads",
     ),
-    "mistill_lens.lens.characterize": (
-        "characterize",
-        "CharacterizeConfig",
-        "Characterization",
-        "encode",
-        "reference_means",
-    ),
+    "mistill_lens.lens.characterize": ("characterize", "encode", "reference_means"),
+    "mistill_lens.lens.results": ("CharacterizeConfig", "Characterization"),
     "mistill_lens.lens.outputs": ("write_characterization", "read_characterization"),
     "mistill_lens.lens.examples": ("read_examples", "SpanExample", "SpanEvent"),
     "mistill_lens.lens.plot": (

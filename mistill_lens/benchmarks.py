@@ -301,7 +301,7 @@ def attribution_benchmark(
 ) -> dict[str, Any]:
     """Attribution on the engine: its cost in forward-equivalents of the clean passes (all heads,
     all events), and its Spearman rank correlation with the exact engine sweep."""
-    from mistill_lens.lens.characterize import rank_correlation
+    from mistill_lens.lens.results import rank_correlation
 
     batch, encoded = _events(tokenizer, k, n_examples, max_events, seed, model.cfg.n_ctx)
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads

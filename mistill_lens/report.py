@@ -18,8 +18,8 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE
-from mistill_lens.lens.characterize import Characterization
 from mistill_lens.lens.outputs import SUMMARY, characterization_figures, read_characterization
+from mistill_lens.lens.results import Characterization
 from mistill_lens.runs import claim_run_dir
 
 REPORT_FILE = "index.html"

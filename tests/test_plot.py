@@ -10,9 +10,9 @@ from planted import DECIDER, WITHIN, planted_examples
 from mistill_lens.distill.evaluation import median_recovery
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.characterize import CharacterizeConfig, rank_correlation
 from mistill_lens.lens.outputs import characterization_figures, read_characterization
 from mistill_lens.lens.plot import token_labels
+from mistill_lens.lens.results import CharacterizeConfig, rank_correlation
 
 
 def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):

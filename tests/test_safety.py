@@ -653,3 +653,18 @@ def test_no_progress_silences_every_bar_including_model_loading(tmp_path):
     )
     assert result.returncode == 0 and result.stderr == ""
     assert json.loads(result.stdout.splitlines()[-1])["n"] == 1
+
+
+def test_a_characterisation_config_shares_nothing_with_its_default():
+    """Editing a result's config (a notebook habit) must not change the default of later calls."""
+    from dataclasses import FrozenInstanceError, replace
+
+    from mistill_lens.lens.characterize import CharacterizeConfig
+
+    default = CharacterizeConfig()
+    derived = replace(default, elicitation_kind="region")
+    derived.thresholds["necessity"] = 0.9
+    assert default.thresholds["necessity"] == 0.5
+    assert CharacterizeConfig().thresholds["necessity"] == 0.5
+    with pytest.raises(FrozenInstanceError):
+        derived.seed = 3

@@ -147,7 +147,7 @@ def run_distill(args: argparse.Namespace) -> dict:
         for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")
     }
     if args.n_eval > 0:
-        from mistill_lens.lens.characterize import CharacterizeConfig
+        from mistill_lens.lens.results import CharacterizeConfig
 
         z_min = args.teacher_z_min if args.student_z_min is None else args.student_z_min
         previous = out / EVALUATION_FILE

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Mapping
 
 from mistill_lens import task
-from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.outputs import (
     SUMMARY,
     prepare_output,
     read_characterization,
     write_characterization,
 )
+from mistill_lens.lens.results import CharacterizeConfig
 from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.outputs import (
     SUMMARY,
@@ -13,6 +12,7 @@ from mistill_lens.lens.outputs import (
     read_characterization,
     write_characterization,
 )
+from mistill_lens.lens.results import Characterization, CharacterizeConfig
 from mistill_lens.models.checkpoints import CheckpointError, read_metadata, weights_digest
 from mistill_lens.task.characterize import characterize_task, task_examples
 

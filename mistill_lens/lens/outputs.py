@@ -21,7 +21,7 @@ import torch
 
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
-from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, ExampleView
+from mistill_lens.lens.results import Characterization, CharacterizeConfig, ExampleView
 from mistill_lens.lens.sweep import read_table
 from mistill_lens.runs import claim_run_dir, legacy_run
 
@@ -160,7 +160,6 @@ def read_characterization(out_dir: str | Path) -> Characterization:
     summary = json.loads((out_dir / SUMMARY).read_text())
     known = {f.name for f in fields(CharacterizeConfig)}
     config = CharacterizeConfig(**{k: v for k, v in summary["config"].items() if k in known})
-    config.ks = tuple(config.ks)
     per_kind = {k: v for k, v in summary.items() if isinstance(v, dict) and "circuit" in v}
     calibration = _read_calibration(
         read_table(out_dir / "calibration.csv"),
