@@ -54,3 +54,30 @@ def test_the_sharded_sweep_equals_the_single_process_sweep(
     torch.testing.assert_close(
         effects_tensor(again, *shape), effects_tensor(merged, *shape), atol=0, rtol=0
     )
+
+
+def test_shards_compute_the_models_own_buffers_not_the_configs(local_ray):
+    """The model travels to the Ray tasks with every tensor: a rotary buffer set by hand (not in
+    the state dict, not what the config implies) is the shards' too."""
+    from test_engine import task_batch
+
+    from mistill_lens.lens.backends import means_from_events
+    from mistill_lens.models.checkpoints import load_model
+
+    model, tokenizer = load_model("checkpoints/base_students/llama")
+    for name, buffer in model.original_model.named_buffers():
+        if name.endswith("inv_freq"):
+            buffer.mul_(1.7)
+    batch = task_batch(tokenizer, n=2)
+    means = means_from_events(model, batch)
+    heads = [(0, 1), (1, 2), (3, 0)]
+    single = ablation_sweep(model, batch, means, heads=heads, progress=False)  # full forward
+    merged = sharded_sweep(model, batch, means, heads=heads, shards=2)
+    shape = (len(batch), model.cfg.n_layers, model.cfg.n_heads)
+    torch.testing.assert_close(
+        effects_tensor(merged, *shape),
+        effects_tensor(single, *shape),
+        atol=1e-4,
+        rtol=0,
+        equal_nan=True,
+    )

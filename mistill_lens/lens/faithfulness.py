@@ -1,0 +1,179 @@
+"""Circuits found by what they do: head *sets* judged by their joint effect on the margin.
+
+A decision is often carried by several heads that add up or back each other up, none of which
+passes a per-head test (``circuits.select_heads``: calibrated z per head). Here a set is judged as a
+set, by exact mean-ablation:
+
+* **necessity** of a set C: the share of the clean margin its joint ablation removes,
+  ``(mean m(M) - mean m(M \\ C)) / mean m(M)``; grown greedily by forward addition (each step adds
+  the pool head whose addition removes the most);
+* **sufficiency** of a set C: what is left with every head outside C ablated, normalised by the
+  all-ablated baseline as faithfulness measures in the field are (MIB's circuit localisation
+  track), ``(mean m(C) - mean m(empty)) / (mean m(M) - mean m(empty))``; found by backward pruning
+  from the pool (each step removes the head whose removal keeps the most), since from an empty set
+  the first additions carry no signal.
+
+Both are ratios of mean margins over the events, not means of per-event ratios, which explode
+where a denominator is near zero. Candidates are restricted to a pool (e.g. the heads with the
+largest single-head effects), whose size is part of the result; every set evaluation is one joint
+ablation over all events on the model's backend (at decode cost on the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from mistill_lens.lens.backends import event_margins
+from mistill_lens.lens.events import EventBatch
+from mistill_lens.lens.hooks import (
+    Head,
+    HeadMeans,
+    ablate_all_but_hooks,
+    event_position_classes,
+    mean_ablation_hooks,
+    validate_heads,
+)
+from mistill_lens.lens.model_types import HookedModel
+
+
+@dataclass(frozen=True)
+class FaithfulnessCurve:
+    """A greedy search's path. ``sets[i]`` is the head set after step i and ``values[i]`` its
+    measure: growing sets for necessity (the empty set first), shrinking sets for sufficiency (the
+    whole pool first)."""
+
+    measure: str  # "necessity" | "sufficiency"
+    sets: tuple[tuple[Head, ...], ...]
+    values: tuple[float, ...]
+    pool_size: int
+    n_events: int
+
+    def smallest(self, target: float) -> tuple[Head, ...] | None:
+        """The smallest set on the path whose measure reaches `target` (None: none does)."""
+        reaching = [s for s, v in zip(self.sets, self.values) if v >= target]
+        return min(reaching, key=len) if reaching else None
+
+    def to_rows(self) -> list[dict]:
+        return [
+            {
+                "measure": self.measure,
+                "size": len(heads),
+                "value": value,
+                "heads": " ".join(f"L{l}H{h}" for l, h in heads),
+            }
+            for heads, value in zip(self.sets, self.values)
+        ]
+
+
+def _mean_margin(model, batch: EventBatch, hooks_for) -> float:
+    return float(event_margins(model, batch, hooks_for).mean())
+
+
+def _ablated(model, batch, means, heads) -> float:
+    """Mean margin with `heads` jointly mean-ablated at each event."""
+    if not heads:
+        return _mean_margin(model, batch, lambda sub: [])
+    return _mean_margin(
+        model,
+        batch,
+        lambda sub: mean_ablation_hooks(
+            model, list(heads), means, event_position_classes(sub, means.class_names)
+        ),
+    )
+
+
+def _kept(model, batch, means, heads) -> float:
+    """Mean margin with every head but `heads` mean-ablated at each event."""
+    return _mean_margin(
+        model,
+        batch,
+        lambda sub: ablate_all_but_hooks(
+            model, list(heads), means, event_position_classes(sub, means.class_names)
+        ),
+    )
+
+
+def _clean(model, batch: EventBatch, means: HeadMeans) -> float:
+    """The mean clean margin, refusing a batch on which a share of it means nothing."""
+    if len(batch) == 0:
+        raise ValueError("no events to search a circuit on: give at least one decided event")
+    clean = _ablated(model, batch, means, [])
+    if clean <= 0:
+        raise ValueError(
+            f"the mean clean margin of these {len(batch)} events is {clean:.3g}: a share of it "
+            "means nothing; search on events the model decides its way (decided_rows)"
+        )
+    return clean
+
+
+def necessity_curve(
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    pool: Sequence[Head],
+    max_size: int | None = None,
+    progress: bool = False,
+) -> FaithfulnessCurve:
+    """Greedy forward addition over `pool` (up to `max_size` heads): at each step the head whose
+    joint ablation with those already chosen removes the largest share of the mean clean margin."""
+    pool = validate_heads(model, pool)
+    clean = _clean(model, batch, means)
+    chosen: list[Head] = []
+    sets, values = [()], [0.0]
+    steps = len(pool) if max_size is None else min(max_size, len(pool))
+    for _ in tqdm(range(steps), desc="necessity search", disable=not progress):
+        left = {c: _ablated(model, batch, means, [*chosen, c]) for c in pool if c not in chosen}
+        best = min(left, key=left.get)
+        chosen.append(best)
+        sets.append(tuple(chosen))
+        values.append((clean - left[best]) / clean)
+    return FaithfulnessCurve("necessity", tuple(sets), tuple(values), len(pool), len(batch))
+
+
+def sufficiency_curve(
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    pool: Sequence[Head],
+    min_size: int = 1,
+    progress: bool = False,
+) -> FaithfulnessCurve:
+    """Greedy backward pruning from `pool` (every head outside it ablated throughout) down to
+    `min_size` heads: at each step the head whose removal keeps the most of the margin.
+    Values are normalised: 1 = the whole model's mean margin, 0 = every head ablated."""
+    pool = validate_heads(model, pool)
+    clean = _clean(model, batch, means)
+    empty = _kept(model, batch, means, [])
+    if abs(clean - empty) < 1e-6 * max(abs(clean), 1.0):
+        raise ValueError(
+            "ablating every head leaves the mean margin where it was: sufficiency (normalised by "
+            "that baseline) is undefined for these events"
+        )
+
+    def normalised(margin: float) -> float:
+        return (margin - empty) / (clean - empty)
+
+    kept = list(pool)
+    sets, values = [tuple(kept)], [normalised(_kept(model, batch, means, kept))]
+    steps = max(len(pool) - min_size, 0)
+    for _ in tqdm(range(steps), desc="sufficiency search", disable=not progress):
+        without = {c: _kept(model, batch, means, [h for h in kept if h != c]) for c in kept}
+        drop = max(without, key=without.get)
+        kept.remove(drop)
+        sets.append(tuple(kept))
+        values.append(normalised(without[drop]))
+    return FaithfulnessCurve("sufficiency", tuple(sets), tuple(values), len(pool), len(batch))
+
+
+def effect_pool(effects: Float[Tensor, "event layer head"], size: int) -> list[Head]:
+    """The `size` heads with the largest mean single-head effect (an exact sweep's, or
+    attribution's): the search's candidates."""
+    mean = effects.nan_to_num(0.0).mean(dim=0)
+    order = mean.flatten().argsort(descending=True)[:size]
+    n_heads = mean.shape[1]
+    return sorted((int(i) // n_heads, int(i) % n_heads) for i in order)

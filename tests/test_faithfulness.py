@@ -1,0 +1,86 @@
+"""Circuits found by what they do, on a planted model whose region decision four heads carry
+jointly (each a quarter of the margin, closed form), while a per-head z rule finds none of them."""
+
+import pytest
+import torch
+from conftest import encode_all, head_ablation_effects
+from planted import TOKEN_ID, planted_examples
+from planted_joint import JOINT_GAIN, JOINT_HEADS, joint_bridge
+
+from mistill_lens.lens.backends import means_from_events
+from mistill_lens.lens.calibration import calibrate, null_events
+from mistill_lens.lens.circuits import select_circuit
+from mistill_lens.lens.engine import InterventionEngine
+from mistill_lens.lens.events import make_event_batch
+from mistill_lens.lens.faithfulness import effect_pool, necessity_curve, sufficiency_curve
+from mistill_lens.lens.hooks import all_heads, run_margins
+
+
+@pytest.fixture(scope="module")
+def joint(tmp_path_factory):
+    bridge, tokenizer = joint_bridge(tmp_path_factory.mktemp("joint_tokenizer"))
+    examples = encode_all(tokenizer, planted_examples(24, seed=0))
+    reference = encode_all(tokenizer, planted_examples(60, seed=1), first_id=1000)
+    reference_events = [e for x in reference for e in x.events]
+    nulls = null_events(reference, reference_events, per_event=1, seed=1)
+    means = means_from_events(bridge, make_event_batch(reference, reference_events + nulls))
+    batch = make_event_batch(examples).of_kind("region")
+    null_batch = make_event_batch(
+        examples, null_events(examples, make_event_batch(examples).events, per_event=2, seed=0)
+    )
+    # how often each region is the reference's chosen one: the mean-ablated heads' share
+    chosen = [e.chosen_token for e in reference_events if e.kind == "region"]
+    frequency = {t: chosen.count(t) / len(chosen) for t in set(chosen)}
+    drift = sum(
+        frequency.get(int(c), 0.0) - frequency.get(int(d[0]), 0.0)
+        for c, d in zip(batch.chosen, batch.contrast)
+    ) / len(batch)
+    return bridge, batch, null_batch, means, drift
+
+
+def test_the_region_margin_is_the_closed_form(joint):
+    bridge, batch, *_ = joint
+    torch.testing.assert_close(
+        run_margins(bridge, batch), torch.full((len(batch),), 4 * JOINT_GAIN), atol=1e-3, rtol=0
+    )
+    assert int(batch.chosen[0]) in {TOKEN_ID[f"R{i}"] for i in range(6)}
+
+
+def test_the_z_rule_misses_the_joint_heads_and_the_search_finds_exactly_them(joint):
+    bridge, batch, null_batch, means, drift = joint
+    calibration = calibrate(
+        head_ablation_effects(bridge, batch, means),
+        batch.kinds,
+        head_ablation_effects(bridge, null_batch, means),
+    )
+    assert select_circuit(calibration)["region"] == []  # no head passes z >= 3 alone
+
+    engine = InterventionEngine(bridge)
+    necessity = necessity_curve(engine, batch, means, all_heads(bridge))
+    assert set(necessity.smallest(0.8)) == set(JOINT_HEADS)
+    # closed form: k joint heads ablated remove k/4 of the margin, less the means' own share
+    for k in range(len(JOINT_HEADS) + 1):
+        assert necessity.values[k] == pytest.approx(k / 4 * (1 - drift), abs=1e-4)
+    assert all(b >= a - 1e-6 for a, b in zip(necessity.values, necessity.values[1:]))  # monotone
+    assert necessity.values[-1] == pytest.approx(necessity.values[len(JOINT_HEADS)], abs=1e-5)
+
+    sufficiency = sufficiency_curve(engine, batch, means, all_heads(bridge))
+    assert set(sufficiency.smallest(0.8)) == set(JOINT_HEADS)
+    for heads, value in zip(sufficiency.sets, sufficiency.values):  # normalised: k/4 exactly
+        kept = len(set(heads) & set(JOINT_HEADS))
+        assert value == pytest.approx(kept / 4, abs=1e-4)
+
+
+def test_the_search_agrees_on_the_full_forward_and_refuses_meaningless_input(joint):
+    bridge, batch, _, means, _ = joint
+    pool = effect_pool(head_ablation_effects(bridge, batch, means), 5)
+    assert set(JOINT_HEADS) <= set(pool) and len(pool) == 5
+    engine = necessity_curve(InterventionEngine(bridge), batch, means, pool, max_size=4)
+    full = necessity_curve(bridge, batch, means, pool, max_size=4)
+    assert full.values == pytest.approx(engine.values, abs=1e-4)
+    with pytest.raises(ValueError, match="no events"):
+        necessity_curve(bridge, batch.select([]), means, pool)
+    flipped = batch.select(range(len(batch)))
+    flipped.chosen, flipped.contrast = flipped.contrast[:, 0].clone(), flipped.chosen[:, None]
+    with pytest.raises(ValueError, match="mean clean margin"):
+        necessity_curve(bridge, flipped, means, pool)
