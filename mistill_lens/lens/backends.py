@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
@@ -35,6 +35,7 @@ from mistill_lens.lens.hooks import (
     event_position_classes,
     gather_at_positions,
     mean_ablation_hooks,
+    row_set_ablation_hooks,
     run_margins,
 )
 from mistill_lens.lens.model_types import HookedModel
@@ -62,6 +63,10 @@ class EventModel(Protocol):
     def sweep_heads(
         self, batch: EventBatch, means: HeadMeans, heads: Sequence[Head]
     ) -> Float[Tensor, "head event"]: ...
+
+    def set_margins(
+        self, batch: EventBatch, means: HeadMeans, masks: Bool[Tensor, "set layer head"]
+    ) -> Float[Tensor, "set event"]: ...
 
     def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]: ...
 
@@ -125,6 +130,23 @@ class FullForward:
                     ),
                 )
                 for head in heads
+            ]
+        )
+
+    def set_margins(self, batch, means, masks):
+        """One pass over the events per head set."""
+        return torch.stack(
+            [
+                self.margins(
+                    batch,
+                    lambda sub, mask=mask: row_set_ablation_hooks(
+                        self.model,
+                        mask.expand(len(sub), *mask.shape),
+                        means,
+                        event_position_classes(sub, means.class_names),
+                    ),
+                )
+                for mask in masks
             ]
         )
 

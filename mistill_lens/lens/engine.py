@@ -55,6 +55,7 @@ from mistill_lens.lens.hooks import (
     class_means,
     event_position_classes,
     row_head_ablation_hooks,
+    row_set_ablation_hooks,
     z_hook_name,
 )
 
@@ -618,6 +619,19 @@ class InterventionEngine:
                 grad, act - mean, "l n h d, l n h d -> n l h"
             )
         return scores
+
+    def set_margins(self, batch: EventBatch, means, masks: Tensor) -> Float[Tensor, "set event"]:
+        """Margins with head set `masks[s]` [layer, head] jointly mean-ablated, for every set and
+        event: one batched recomputation of all (set, event) pairs."""
+        n = len(batch)
+        row_masks = masks.repeat_interleave(n, dim=0)
+
+        def hooks_for(view: EventBatch, rows: range) -> list[HookPair]:
+            classes = event_position_classes(view, means.class_names)
+            return row_set_ablation_hooks(self, row_masks[rows.start : rows.stop], means, classes)
+
+        repeated = batch.select(torch.arange(n).repeat(len(masks)))
+        return self._chunked_margins(repeated, hooks_for).view(len(masks), n)
 
     def sweep_groups(self, heads: Sequence[Head]) -> list[list[Head]]:
         """Heads swept together: a layer's in one batched recomputation."""

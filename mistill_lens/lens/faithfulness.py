@@ -15,8 +15,9 @@ set, by exact mean-ablation:
 
 Both are ratios of mean margins over the events, not means of per-event ratios, which explode
 where a denominator is near zero. Candidates are restricted to a pool (e.g. the heads with the
-largest single-head effects), whose size is part of the result; every set evaluation is one joint
-ablation over all events on the model's backend (at decode cost on the engine).
+largest single-head effects), whose size is part of the result; each step evaluates all its
+candidate sets in one batched call on the model's backend (on the engine, every (set, event) pair
+is a single-position recomputation).
 """
 
 from __future__ import annotations
@@ -24,20 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mistill_lens.lens.backends import event_margins
+from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.hooks import (
-    Head,
-    HeadMeans,
-    ablate_all_but_hooks,
-    event_position_classes,
-    mean_ablation_hooks,
-    validate_heads,
-)
+from mistill_lens.lens.hooks import Head, HeadMeans, validate_heads
 from mistill_lens.lens.model_types import HookedModel
 
 
@@ -70,39 +65,26 @@ class FaithfulnessCurve:
         ]
 
 
-def _mean_margin(model, batch: EventBatch, hooks_for) -> float:
-    return float(event_margins(model, batch, hooks_for).mean())
-
-
-def _ablated(model, batch, means, heads) -> float:
-    """Mean margin with `heads` jointly mean-ablated at each event."""
-    if not heads:
-        return _mean_margin(model, batch, lambda sub: [])
-    return _mean_margin(
-        model,
-        batch,
-        lambda sub: mean_ablation_hooks(
-            model, list(heads), means, event_position_classes(sub, means.class_names)
-        ),
-    )
-
-
-def _kept(model, batch, means, heads) -> float:
-    """Mean margin with every head but `heads` mean-ablated at each event."""
-    return _mean_margin(
-        model,
-        batch,
-        lambda sub: ablate_all_but_hooks(
-            model, list(heads), means, event_position_classes(sub, means.class_names)
-        ),
-    )
+def _mean_margins(
+    model, batch: EventBatch, means: HeadMeans, sets: Sequence[Sequence[Head]], keep: bool
+) -> list[float]:
+    """Mean margin over the events with each head set jointly mean-ablated (`keep`: every head
+    *but* the set ablated), all sets in one batched call on the model's backend."""
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    masks = torch.zeros(len(sets), n_layers, n_heads, dtype=torch.bool)
+    for row, heads in enumerate(sets):
+        for layer, head in heads:
+            masks[row, layer, head] = True
+    if keep:
+        masks = ~masks
+    return backend_for(model).set_margins(batch, means, masks).mean(dim=1).tolist()
 
 
 def _clean(model, batch: EventBatch, means: HeadMeans) -> float:
     """The mean clean margin, refusing a batch on which a share of it means nothing."""
     if len(batch) == 0:
         raise ValueError("no events to search a circuit on: give at least one decided event")
-    clean = _ablated(model, batch, means, [])
+    (clean,) = _mean_margins(model, batch, means, [[]], keep=False)
     if clean <= 0:
         raise ValueError(
             f"the mean clean margin of these {len(batch)} events is {clean:.3g}: a share of it "
@@ -127,9 +109,10 @@ def necessity_curve(
     sets, values = [()], [0.0]
     steps = len(pool) if max_size is None else min(max_size, len(pool))
     for _ in tqdm(range(steps), desc="necessity search", disable=not progress):
-        left = {c: _ablated(model, batch, means, [*chosen, c]) for c in pool if c not in chosen}
-        best = min(left, key=left.get)
-        chosen.append(best)
+        candidates = [c for c in pool if c not in chosen]
+        left = _mean_margins(model, batch, means, [[*chosen, c] for c in candidates], keep=False)
+        best = min(range(len(candidates)), key=left.__getitem__)
+        chosen.append(candidates[best])
         sets.append(tuple(chosen))
         values.append((clean - left[best]) / clean)
     return FaithfulnessCurve("necessity", tuple(sets), tuple(values), len(pool), len(batch))
@@ -148,7 +131,7 @@ def sufficiency_curve(
     Values are normalised: 1 = the whole model's mean margin, 0 = every head ablated."""
     pool = validate_heads(model, pool)
     clean = _clean(model, batch, means)
-    empty = _kept(model, batch, means, [])
+    empty, whole = _mean_margins(model, batch, means, [[], list(pool)], keep=True)
     if abs(clean - empty) < 1e-6 * max(abs(clean), 1.0):
         raise ValueError(
             "ablating every head leaves the mean margin where it was: sufficiency (normalised by "
@@ -159,12 +142,14 @@ def sufficiency_curve(
         return (margin - empty) / (clean - empty)
 
     kept = list(pool)
-    sets, values = [tuple(kept)], [normalised(_kept(model, batch, means, kept))]
+    sets, values = [tuple(kept)], [normalised(whole)]
     steps = max(len(pool) - min_size, 0)
     for _ in tqdm(range(steps), desc="sufficiency search", disable=not progress):
-        without = {c: _kept(model, batch, means, [h for h in kept if h != c]) for c in kept}
-        drop = max(without, key=without.get)
-        kept.remove(drop)
+        without = _mean_margins(
+            model, batch, means, [[h for h in kept if h != c] for c in kept], keep=True
+        )
+        drop = max(range(len(kept)), key=without.__getitem__)
+        del kept[drop]
         sets.append(tuple(kept))
         values.append(normalised(without[drop]))
     return FaithfulnessCurve("sufficiency", tuple(sets), tuple(values), len(pool), len(batch))

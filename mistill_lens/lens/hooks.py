@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
@@ -284,6 +284,33 @@ def row_head_ablation_hooks(
                 means.means[:, layer], heads, position_class, n_heads, "row head ablation"
             ),
         )
+    ]
+
+
+def row_set_ablation_hooks(
+    model: HookedModel,
+    masks: Bool[Tensor, "batch layer head"],
+    means: HeadMeans,
+    position_class: Int[Tensor, "batch pos"],
+) -> list[HookPair]:
+    """Mean-ablate head set `masks[b]` in row b (at its classed positions): many joint ablations
+    of different head sets in one pass, one set per row (a circuit search's candidates)."""
+    n_layers, n_heads = n_layers_heads(model)
+    if masks.shape[1:] != (n_layers, n_heads) or masks.shape[0] != position_class.shape[0]:
+        raise ValueError(
+            f"row masks of shape {tuple(masks.shape)} for a batch of {position_class.shape[0]} "
+            f"rows on a model of {n_layers} layers x {n_heads} heads"
+        )
+    _check_means(model, means, position_class)
+    return [
+        (
+            z_hook_name(layer),
+            _mean_replacement(
+                means.means[:, layer], masks[:, layer], position_class, n_heads, "row set ablation"
+            ),
+        )
+        for layer in range(n_layers)
+        if masks[:, layer].any()
     ]
 
 
