@@ -102,3 +102,37 @@ def test_batched_set_ablations_equal_one_forward_per_set(joint, planted, planted
         full = FullForward(model).set_margins(batch, means, masks)
         torch.testing.assert_close(fast, full, atol=1e-4, rtol=0)
         assert (full[1:] - full[0]).abs().max() > 1e-3  # the ablations move the margins
+
+
+def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted, tmp_path):
+    """On the planted model (the region margin is DECIDER's 2 + the previous-token head's 4 logits,
+    the within margin WITHIN's 3): each kind's set is found on half of the examples and reported on
+    the other half, with CIs around it. The z rule discounts the previous-token head as generic;
+    by joint effect it is part of the region's mechanism (it carries two thirds of the margin)."""
+    from characterized import characterize_into
+    from planted import DECIDER, GENERIC, WITHIN
+
+    from mistill_lens.lens.results import CharacterizeConfig
+
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(seed=0, ks=(1, 2), progress=False, faithful_pool=6)
+    summary = characterize_into(
+        tmp_path / "run",
+        bridge,
+        tokenizer,
+        planted_examples(20, seed=0),
+        planted_examples(40, seed=1),
+        config,
+    )
+    faithful = summary["faithful"]
+    assert faithful["region"]["heads"] == [list(DECIDER), list(GENERIC)]
+    assert faithful["within"]["heads"] == [list(WITHIN)]
+    for kind in ("region", "within", "all"):
+        found = faithful[kind]
+        assert found["necessity"] >= 0.8 and found["sufficiency"] >= 0.8
+        low, high = found["necessity_ci"]
+        assert low <= found["necessity"] <= high
+        assert found["n_examples_discovery"] + found["n_examples_validation"] == 20
+        assert found["pool_size"] == 6 and found["size"] == len(found["heads"])
+    assert sorted(map(tuple, faithful["all"]["heads"])) == sorted([DECIDER, GENERIC, WITHIN])
+    assert summary["circuit"] == [list(DECIDER), list(WITHIN)]  # the z rule's

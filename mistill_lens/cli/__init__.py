@@ -473,6 +473,16 @@ def build_parser() -> argparse.ArgumentParser:
         "pip install 'mistill_lens[ray]')",
     )
     characterize.add_argument(
+        "--faithful",
+        type=POSITIVE_INT,
+        metavar="POOL",
+        default=None,
+        help="also search each kind's smallest head set by its joint effect (necessity and "
+        "normalised sufficiency >= 0.8) among the POOL heads with the largest single-head effects, "
+        "on half of the examples, and report it on the other half with bootstrap CIs "
+        "(summary.json: faithful); costs a few minutes per kind on the default teacher",
+    )
+    characterize.add_argument(
         "--no-engine",
         action="store_true",
         help="run every intervention as a full forward (the reference path; slow) instead of on "

@@ -28,6 +28,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         ray=args.ray,
         shards=args.shards,
         engine=not args.no_engine,
+        faithful_pool=args.faithful,
     )
     return replace(config, **overrides)
 

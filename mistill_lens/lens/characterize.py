@@ -43,6 +43,7 @@ from mistill_lens.lens.elicitation import (
     carrying_heads,
     elicitation_curve,
     elicitation_lead,
+    split_by_example,
     top_heads,
 )
 from mistill_lens.lens.events import (
@@ -51,8 +52,10 @@ from mistill_lens.lens.events import (
     EventBatch,
     decided_rows,
     events_from_spans,
+    kind_mask,
     make_event_batch,
 )
+from mistill_lens.lens.faithfulness import faithful_circuit
 from mistill_lens.lens.fingerprint import StaleResultWarning
 from mistill_lens.lens.hooks import (
     Head,
@@ -319,6 +322,7 @@ def _characterize(
         }
         families = head_families(masses, batch.kinds, all_heads(model), baselines)
 
+    faithful = _faithful(model, batch, means, exact, config, warned)
     elicitation, curve = _elicitation(model, batch, circuits, region_candidates, config)
     if curve is None and config.elicitation_kind is not None:
         warned.append(f"early elicitation skipped: {elicitation['skipped']}")
@@ -348,10 +352,41 @@ def _characterize(
         n_events=len(every_event),
         n_null_events=len(nulls),
         warnings=warned,
+        faithful=faithful,
         example=example_view(
             model, encoded, every_event, every_margin, decided.tolist(), circuits, calibration
         ),
     )
+
+
+def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
+    """Per kind and for all decided events: the head set found by its joint effect on half of
+    the examples (seeded), reported on the other half."""
+    if config.faithful_pool is None:
+        return {}
+    discovery = split_by_example([e.example_id for e in batch.events], 0.5, config.seed)
+    found = {}
+    for kind in [*dict.fromkeys(batch.kinds), "all"]:
+        rows = (
+            torch.ones(len(batch), dtype=torch.bool)
+            if kind == "all"
+            else kind_mask(batch.kinds, kind)
+        )
+        if not (rows & discovery).any() or not (rows & ~discovery).any():
+            warned.append(f"faithful circuit of {kind!r} not searched: its events lie in one half")
+            continue
+        found[kind] = faithful_circuit(
+            model,
+            batch.select(rows & discovery),
+            batch.select(rows & ~discovery),
+            means,
+            exact[rows & discovery],
+            pool_size=config.faithful_pool,
+            max_size=config.faithful_max_size,
+            target=config.faithful_target,
+            seed=config.seed,
+        )
+    return found
 
 
 def _elicitation(

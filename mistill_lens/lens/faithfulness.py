@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -34,6 +35,9 @@ from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.hooks import Head, HeadMeans, validate_heads
 from mistill_lens.lens.model_types import HookedModel
+
+BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
+COVERAGE_FLOOR = 0.8  # an example is covered when the set removes at least this share of its margin
 
 
 @dataclass(frozen=True)
@@ -162,3 +166,80 @@ def effect_pool(effects: Float[Tensor, "event layer head"], size: int) -> list[H
     order = mean.flatten().argsort(descending=True)[:size]
     n_heads = mean.shape[1]
     return sorted((int(i) // n_heads, int(i) % n_heads) for i in order)
+
+
+def _ratio_ci(
+    numerators: np.ndarray, denominators: np.ndarray, example_ids: Sequence[int], seed: int
+) -> tuple[float, tuple[float, float]]:
+    """sum(numerators) / sum(denominators) over the events, with a 95 % bootstrap interval over
+    examples (whole examples resampled: an example's events are not independent)."""
+    ids = np.asarray(example_ids)
+    unique = np.unique(ids)
+    index = {e: np.flatnonzero(ids == e) for e in unique}
+    rng = np.random.default_rng(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP):
+        rows = np.concatenate([index[e] for e in rng.choice(unique, len(unique))])
+        denominator = denominators[rows].sum()
+        if denominator != 0:
+            ratios.append(numerators[rows].sum() / denominator)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(numerators.sum() / denominators.sum()), (float(low), float(high))
+
+
+def faithful_circuit(
+    model: HookedModel,
+    discovery: EventBatch,
+    validation: EventBatch,
+    means: HeadMeans,
+    effects: Float[Tensor, "event layer head"],
+    pool_size: int = 40,
+    max_size: int = 32,
+    target: float = 0.8,
+    seed: int = 0,
+) -> dict:
+    """The smallest head set found on `discovery` events that is necessary and sufficient at
+    `target` (the union of the two searches' smallest sets; the whole explored path when neither
+    reaches it), measured on the disjoint `validation` events with bootstrap CIs over examples.
+    `effects` ([discovery event, layer, head], an exact sweep's or attribution's) choose the pool."""
+    shared = {e.example_id for e in discovery.events} & {e.example_id for e in validation.events}
+    if shared:
+        raise ValueError(
+            f"examples {sorted(shared)[:5]} are in both the discovery and the validation events: "
+            "a circuit must be reported on examples it was not found on"
+        )
+    pool = effect_pool(effects, pool_size)
+    necessity = necessity_curve(model, discovery, means, pool, max_size)
+    sufficiency = sufficiency_curve(model, discovery, means, pool)
+    found = set(necessity.smallest(target) or necessity.sets[-1])
+    found |= set(sufficiency.smallest(target) or sufficiency.sets[0])
+    heads = sorted(found)
+    masks = torch.zeros(3, model.cfg.n_layers, model.cfg.n_heads, dtype=torch.bool)
+    for layer, head in heads:
+        masks[1, layer, head] = True
+    masks[2] = ~masks[1]  # every head but the set ablated
+    empty = ~masks[0]  # every head ablated
+    margins = backend_for(model).set_margins(validation, means, torch.cat([masks, empty[None]]))
+    clean, ablated, kept, none = (m.double().numpy() for m in margins)
+    ids = [e.example_id for e in validation.events]
+    necessity_value, necessity_ci = _ratio_ci(clean - ablated, clean, ids, seed)
+    sufficiency_value, sufficiency_ci = _ratio_ci(kept - none, clean - none, ids, seed)
+    covered = [
+        (clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR
+        for rows in (np.flatnonzero(np.asarray(ids) == e) for e in dict.fromkeys(ids))
+    ]
+    return {
+        "heads": [list(h) for h in heads],
+        "size": len(heads),
+        "necessity": necessity_value,
+        "necessity_ci": list(necessity_ci),
+        "sufficiency": sufficiency_value,
+        "sufficiency_ci": list(sufficiency_ci),
+        "coverage": float(np.mean(covered)),
+        "n_events": len(validation),
+        "n_examples_discovery": len({e.example_id for e in discovery.events}),
+        "n_examples_validation": len(set(ids)),
+        "pool_size": len(pool),
+        "target": target,
+        "curves": necessity.to_rows() + sufficiency.to_rows(),
+    }

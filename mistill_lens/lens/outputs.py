@@ -189,6 +189,7 @@ def read_characterization(out_dir: str | Path) -> Characterization:
         n_events=summary["n_events"],
         n_null_events=summary["n_null_events"],
         warnings=summary["warnings"],
+        faithful=summary.get("faithful", {}),
         example=ExampleView.from_json(json.loads((out_dir / EXAMPLE_FILE).read_text()))
         if (out_dir / EXAMPLE_FILE).is_file()
         else None,

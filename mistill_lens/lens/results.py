@@ -62,6 +62,13 @@ class CharacterizeConfig:
     # is a cluster address; None runs them in this process.
     ray: str | None = None
     shards: int = 2
+    # Search head sets by their joint effect (lens/faithfulness.py) on half of the examples and
+    # report them on the other half: the candidates are the `faithful_pool` heads with the largest
+    # single-head effects (None: no search), sets grow up to `faithful_max_size` heads, and the
+    # target is the necessity and normalised sufficiency to reach.
+    faithful_pool: int | None = None
+    faithful_max_size: int = 32
+    faithful_target: float = 0.8
 
     def __post_init__(self):
         # each config holds its own copies: a dict shared with another config (a default, the
@@ -77,6 +84,8 @@ class CharacterizeConfig:
             curve_points=options.positive,
             sweep_top=options.positive,
             min_events_per_kind=options.non_negative,
+            faithful_pool=options.positive,
+            faithful_max_size=options.positive,
         )
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
@@ -153,6 +162,9 @@ class Characterization:
     warnings: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)  # e.g. the command line
     example: ExampleView | None = None  # one example token by token (token-labelled figures)
+    # per kind and "all": the smallest head set found by its joint effect on discovery examples,
+    # measured on validation examples (lens/faithfulness.faithful_circuit); empty: not searched
+    faithful: dict[str, Any] = field(default_factory=dict)
 
     @property
     def circuit(self) -> list[Head]:
@@ -295,6 +307,8 @@ class Characterization:
         }
         if not self.families.empty:
             summary["families"] = self.family_of_circuit_heads()
+        if self.faithful:
+            summary["faithful"] = self.faithful
         summary["elicitation"] = self.elicitation
         summary["config"] = asdict(self.config)
         summary.update(self.provenance)
