@@ -87,6 +87,10 @@ class CharacterizeConfig:
             faithful_pool=options.positive,
             faithful_max_size=options.positive,
         )
+        if not 0 < self.faithful_target <= 1:
+            raise ValueError(
+                f"faithful_target must be a share of the margin in (0, 1], got {self.faithful_target}"
+            )
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
