@@ -19,8 +19,8 @@ from planted import VOCAB, planted_examples
 from test_train import TINY
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import mistill_lens.lens.sweep as sweep_module
 from mistill_lens import cli, task
+from mistill_lens.lens.backends import FullForward
 from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.events import make_event_batch, margins_at, position_class_names
 from mistill_lens.lens.fingerprint import StaleResultError
@@ -626,16 +626,16 @@ def test_an_interrupted_sweep_resumes_to_the_uninterrupted_result(
     bridge, _ = planted
     batch, means = planted_data["batch"], planted_data["means"]
     straight = ablation_sweep(bridge, batch, means, tmp_path / "straight.csv", progress=False)
-    real = sweep_module.ablated_margins
+    real = FullForward.sweep_heads
     calls = []
 
-    def interrupt_third_head(*args, **kwargs):
+    def interrupt_third_head(*args, **kwargs):  # on the full forward a sweep group is one head
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sweep_module, "ablated_margins", interrupt_third_head)
+    monkeypatch.setattr(FullForward, "sweep_heads", interrupt_third_head)
     with pytest.raises(KeyboardInterrupt):
         ablation_sweep(bridge, batch, means, tmp_path / "sweep.csv", progress=False)
     monkeypatch.undo()
