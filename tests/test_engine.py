@@ -206,10 +206,10 @@ def test_a_hook_the_engine_cannot_apply_runs_on_the_full_forward_with_a_warning(
     bridge, _ = planted
     batch = planted_data["batch"]
 
-    def resid_hooks(b):
-        return [("blocks.0.hook_resid_pre", lambda act, hook: act * 0.5)]
+    def resid_hooks(b):  # a hook point inside the layer norm: no single-position meaning here
+        return [("blocks.0.ln1.hook_normalized", lambda act, hook: act * 0.5)]
 
-    with pytest.raises(EngineUnsupported, match="hook_z only"):
+    with pytest.raises(EngineUnsupported, match="only, not 'blocks.0.ln1.hook_normalized'"):
         InterventionEngine(bridge).margins(batch, resid_hooks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -304,3 +304,42 @@ def test_the_whole_characterisation_is_the_same_on_the_engine(planted, tmp_path)
     for kind in full_top:
         assert engine_top[kind][0] == pytest.approx(full_top[kind][0], abs=1e-4)
     assert_same_numbers(summaries[True], summaries[False])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_residual_attention_and_mlp_outputs_are_intervened_on_the_engine(name):
+    """hook_resid_pre / _post, hook_attn_out and hook_mlp_out at the predicting positions:
+    single-position recomputations equal to the full forward (hook_resid_mid falls back to it)."""
+    model, tokenizer = MODELS[name]()
+    batch = task_batch(tokenizer)
+    engine = InterventionEngine(model)
+    n_layers = model.cfg.n_layers
+
+    # a shift, not only a scale: RMSNorm would undo a scale of the last residual
+    shift = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+
+    def at_events(scale):
+        def fn(act, hook):
+            act = act.clone()
+            rows = torch.arange(act.shape[0]), batch_of[0].predict_positions
+            act[rows] = act[rows] * scale + shift
+            return act
+
+        return fn
+
+    batch_of = [batch]
+    clean = run_margins(model, batch)
+    for site in ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "hook_resid_post"):
+        for layer in (0, n_layers - 1):
+            name_ = f"blocks.{layer}.{site}"
+
+            def hooks_for(b, name_=name_):
+                batch_of[0] = b
+                return [(name_, at_events(0.0 if "out" in name_ else 0.5))]
+
+            full = run_margins(model, batch, hooks_for(batch))
+            assert (full - clean).abs().max() > 1e-3, f"{name_} changed nothing"
+            fast = engine.margins(batch, hooks_for)
+            torch.testing.assert_close(fast, full, atol=1e-4, rtol=0, msg=f"{name}: {name_}")
+    with pytest.raises(EngineUnsupported, match="hook_resid_mid"):
+        engine.margins(batch, lambda b: [("blocks.0.hook_resid_mid", lambda act, hook: act)])

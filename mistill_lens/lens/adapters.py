@@ -30,6 +30,9 @@ class Adapter:
     n_layers: int
     n_heads: int
     d_head: int
+    # whether the residual-stream hook points (hook_resid_pre / _post, hook_attn_out, hook_mlp_out)
+    # mean here what they mean on the model's bridge: the engine applies them only then
+    residual_hooks: bool = True
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
@@ -124,7 +127,10 @@ class Gemma3Adapter(LlamaAdapter):
     attention and after the MLP, rotary buffers per layer type (local and global), sliding-window
     layers, optional final-logit soft-capping (transformers' Gemma 3 does not apply the config's
     attention soft-capping, so neither does this). The scaled embedding lives in the clean pass
-    only."""
+    only. With post-norms, where a bridge puts hook_attn_out / hook_mlp_out (before or after the
+    norm) is not checked yet: those hook points run on the full forward."""
+
+    residual_hooks = False
 
     def _rotate(self, layer, q, k, v, positions):
         from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb

@@ -60,6 +60,11 @@ from mistill_lens.lens.hooks import (
 )
 
 _Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
+# hook points the engine applies at the events' predicting positions, by site within a layer.
+# Not hook_resid_mid: TransformerLens 4.3's bridge feeds an edited hook_resid_mid to the MLP but adds
+# the unedited one to the residual (0.29 logits off on GPT-2), so it runs on the full forward.
+_SITES = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_mlp_out", "hook_resid_post")
+_HOOK_NAME = re.compile(r"^blocks\.(\d+)\.(" + "|".join(re.escape(s) for s in _SITES) + r")$")
 
 
 @dataclass
@@ -424,6 +429,8 @@ class InterventionEngine:
             x[rows] = cache.resid[start, slots]
             positions[rows] = torch.tensor(cache.positions, device=first.device)[slots]
         for layer in range(start, self.n_layers if stop is None else stop):
+            sites = layer_hooks.get(layer, {})
+            x = self._apply_hooks(layer, "hook_resid_pre", sites, x)
             if residuals is not None:
                 residuals.append(x)
             q, k, v = adapter.qkv(layer, x, positions)
@@ -444,10 +451,10 @@ class InterventionEngine:
             z = einops.rearrange(z, "n k g d -> n (k g) d")
             if z_leaves is not None:
                 z = z + z_leaves[layer]
-            if layer in layer_hooks:
-                z = self._apply_hooks(layer, layer_hooks[layer], z)
-            x = x + adapter.attn_out(layer, z)
-            x = x + adapter.mlp_out(layer, x)
+            z = self._apply_hooks(layer, "attn.hook_z", sites, z)
+            x = x + self._apply_hooks(layer, "hook_attn_out", sites, adapter.attn_out(layer, z))
+            x = x + self._apply_hooks(layer, "hook_mlp_out", sites, adapter.mlp_out(layer, x))
+            x = self._apply_hooks(layer, "hook_resid_post", sites, x)
         if stop is not None:
             return None
         if residuals is not None:
@@ -472,24 +479,29 @@ class InterventionEngine:
             visible = visible & (t > positions[:, None] - window)
         return scores.masked_fill(~visible[:, None, None, :], float("-inf"))
 
-    def _apply_hooks(self, layer: int, hooks: list[Callable], z: Tensor) -> Tensor:
-        """`hooks` on hook_z [n, 1, head, d_head] under TransformerLens's contract: called as
+    def _apply_hooks(
+        self, layer: int, site: str, sites: dict[str, list[Callable]], act: Tensor
+    ) -> Tensor:
+        """The hooks on `site` of `layer` applied to the events' activations `act` [n, ...], seen
+        as [n, 1, ...] (one position each), under TransformerLens's contract: called as
         ``fn(activation, hook=point)``; one returning None keeps the (maybe in-place edited)
         activation."""
-        name = z_hook_name(layer)
+        if site not in sites:
+            return act
+        name = f"blocks.{layer}.{site}"
         point = self._hook_points.get(name) or SimpleNamespace(name=name, layer=lambda: layer)
-        act = z[:, None].clone()  # an in-place hook must not write into the shared recomputation
-        for fn in hooks:
-            returned = fn(act, hook=point)
+        view = act[:, None].clone()  # an in-place hook must not write into the shared recomputation
+        for fn in sites[site]:
+            returned = fn(view, hook=point)
             if returned is None:
                 continue
-            if not isinstance(returned, Tensor) or returned.shape != act.shape:
+            if not isinstance(returned, Tensor) or returned.shape != view.shape:
                 shape = tuple(returned.shape) if isinstance(returned, Tensor) else type(returned)
                 raise EngineUnsupported(
-                    f"a hook on {name} returned {shape} for activations {tuple(act.shape)}"
+                    f"a hook on {name} returned {shape} for activations {tuple(view.shape)}"
                 )
-            act = returned
-        return act[:, 0]
+            view = returned
+        return view[:, 0]
 
     def margins(
         self,
@@ -566,20 +578,26 @@ class InterventionEngine:
                 out.append(torch.cat([clean, *(r[None] for r in later)])[:stages])
         return torch.cat(out, dim=1)
 
-    def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, list[Callable]]:
+    def _layer_hooks(self, hooks: Sequence[HookPair]) -> dict[int, dict[str, list[Callable]]]:
+        """Hooks by layer and site; a hook point the engine cannot apply at single positions
+        raises EngineUnsupported (the caller may then run the full forward)."""
         if hasattr(self.model, "hook_dict"):
             check_hook_names(self.model, [name for name, _ in hooks])
-        layer_hooks: dict[int, list[Callable]] = {}
+        layer_hooks: dict[int, dict[str, list[Callable]]] = {}
         for name, fn in hooks:
-            match = _Z_NAME.match(name)
+            match = _HOOK_NAME.match(name)
             if match is None:
                 raise EngineUnsupported(
-                    f"the engine applies hooks on blocks.L.attn.hook_z only, not {name!r}"
+                    f"the engine applies hooks on blocks.L.{{{', '.join(_SITES)}}} only, not {name!r}"
                 )
-            layer = int(match.group(1))
+            layer, site = int(match.group(1)), match.group(2)
+            if site != "attn.hook_z" and not self.adapter.residual_hooks:
+                raise EngineUnsupported(
+                    f"the engine's {type(self.adapter).__name__} applies hook_z only, not {name!r}"
+                )
             if layer >= self.n_layers:
                 raise KeyError(f"unknown hook name {name!r}: the model has {self.n_layers} layers")
-            layer_hooks.setdefault(layer, []).append(fn)
+            layer_hooks.setdefault(layer, {}).setdefault(site, []).append(fn)
         return layer_hooks
 
     def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]:
