@@ -80,12 +80,15 @@ def _residual_basis() -> torch.Tensor:
     return q[:, 1:].T.contiguous()  # [D_MODEL - 1, D_MODEL]
 
 
-def planted_hf_model() -> GPT2LMHeadModel:
+def exact_gpt2(n_layer: int) -> tuple[GPT2LMHeadModel, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A zeroed GPT-2 on the planted vocabulary whose LayerNorms are the identity, with tokens and
+    positions embedded on orthonormal directions; returns it and the (token, constant, position)
+    directions, for the caller to plant heads with."""
     config = GPT2Config(
         vocab_size=len(VOCAB),
         n_positions=N_CTX,
         n_embd=D_MODEL,
-        n_layer=N_LAYERS,
+        n_layer=n_layer,
         n_head=N_HEADS,
         layer_norm_epsilon=1e10,
         resid_pdrop=0.0,
@@ -98,6 +101,22 @@ def planted_hf_model() -> GPT2LMHeadModel:
     token_dir = basis[: len(VOCAB)]
     constant_dir = basis[len(VOCAB)]
     position_dir = basis[len(VOCAB) + 1 : len(VOCAB) + 1 + N_CTX]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.transformer.wte.weight.copy_(token_dir + constant_dir)
+        model.transformer.wpe.weight.copy_(position_dir)
+        for norm in [
+            model.transformer.ln_f,
+            *(b.ln_1 for b in model.transformer.h),
+            *(b.ln_2 for b in model.transformer.h),
+        ]:
+            norm.weight.fill_(1e5)  # sqrt(epsilon): LayerNorm(x) == x - mean(x) == x
+    return model, token_dir, constant_dir, position_dir
+
+
+def planted_hf_model() -> GPT2LMHeadModel:
+    model, token_dir, constant_dir, position_dir = exact_gpt2(N_LAYERS)
     d_head = D_MODEL // N_HEADS
     q_scale = math.sqrt(d_head)  # undo GPT-2's 1/sqrt(d_head) score scaling
 
@@ -138,16 +157,6 @@ def planted_hf_model() -> GPT2LMHeadModel:
         w_o[GENERIC[1]] += GENERIC_GAIN * torch.outer(unit(slot), tok(name))
 
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.zero_()
-        model.transformer.wte.weight.copy_(token_dir + constant_dir)
-        model.transformer.wpe.weight.copy_(position_dir)
-        for norm in [
-            model.transformer.ln_f,
-            *(b.ln_1 for b in model.transformer.h),
-            *(b.ln_2 for b in model.transformer.h),
-        ]:
-            norm.weight.fill_(1e5)  # sqrt(epsilon): LayerNorm(x) == x - mean(x) == x
         attn = model.transformer.h[0].attn
 
         def to_columns(w):

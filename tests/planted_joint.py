@@ -24,12 +24,11 @@ from planted import (
     N_HEADS,
     REGIONS,
     TOKEN_ID,
-    VOCAB,
-    _residual_basis,
+    exact_gpt2,
     planted_tokenizer,
 )
 from transformer_lens import TransformerBridge
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 JOINT_GAIN = 0.75
 COPY_GAIN = 4.0
@@ -41,23 +40,7 @@ _DEFAULT_SCORE = 20.0
 
 
 def joint_hf_model() -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=len(VOCAB),
-        n_positions=N_CTX,
-        n_embd=D_MODEL,
-        n_layer=2,
-        n_head=N_HEADS,
-        layer_norm_epsilon=1e10,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        tie_word_embeddings=True,
-    )
-    model = GPT2LMHeadModel(config).eval()
-    basis = _residual_basis()
-    token_dir = basis[: len(VOCAB)]
-    constant_dir = basis[len(VOCAB)]
-    position_dir = basis[len(VOCAB) + 1 : len(VOCAB) + 1 + N_CTX]
+    model, token_dir, constant_dir, position_dir = exact_gpt2(n_layer=2)
     d_head = D_MODEL // N_HEADS
     q_scale = math.sqrt(d_head)
 
@@ -88,16 +71,6 @@ def joint_hf_model() -> GPT2LMHeadModel:
         w_o += COPY_GAIN * torch.outer(unit(slot), tok(name))
 
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.zero_()
-        model.transformer.wte.weight.copy_(token_dir + constant_dir)
-        model.transformer.wpe.weight.copy_(position_dir)
-        for norm in [
-            model.transformer.ln_f,
-            *(b.ln_1 for b in model.transformer.h),
-            *(b.ln_2 for b in model.transformer.h),
-        ]:
-            norm.weight.fill_(1e5)  # sqrt(epsilon): LayerNorm(x) == x - mean(x) == x
         attn = model.transformer.h[0].attn
         # every head of layer 0 is the same joint head
         attn.c_attn.weight.copy_(

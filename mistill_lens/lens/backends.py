@@ -38,7 +38,7 @@ from mistill_lens.lens.hooks import (
     row_set_ablation_hooks,
     run_margins,
 )
-from mistill_lens.lens.model_types import HookedModel
+from mistill_lens.lens.model_types import HookedModel, StandsIn
 
 HooksFor = Callable[[EventBatch], Sequence[HookPair]]
 
@@ -93,23 +93,13 @@ def residual_stages(model: HookedModel) -> list[str]:
     ]
 
 
-class FullForward:
+class FullForward(StandsIn):
     """The reference backend: every question answered by forwards of the hooked model over the
     event rows (``batch_size`` rows at a time), with TransformerLens hooks."""
 
     def __init__(self, model: HookedModel, batch_size: int = 256):
         self.model = model
         self.batch_size = batch_size
-
-    def __getattr__(self, name: str):
-        # stands in for its model anywhere in the lens, as the engine does (cfg, hook_dict,
-        # run_with_hooks, ...)
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
 
     def margins(self, batch, hooks_for, chunk=None):
         size = chunk or self.batch_size

@@ -58,6 +58,7 @@ from mistill_lens.lens.hooks import (
     row_set_ablation_hooks,
     z_hook_name,
 )
+from mistill_lens.lens.model_types import StandsIn
 
 _Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
 # hook points the engine applies at the events' predicting positions, by site within a layer.
@@ -144,7 +145,7 @@ class EngineMismatch(RuntimeError):
     """The engine disagrees with the model's own forward: its numbers would be wrong."""
 
 
-class InterventionEngine:
+class InterventionEngine(StandsIn):
     """Exact interventions on `model` at decision events, at the cost of single-position steps.
 
     ``cache_bytes`` bounds the clean passes kept (the latest is always kept; least recently used
@@ -180,17 +181,6 @@ class InterventionEngine:
         self.cache_bytes = cache_bytes
         self.chunk = chunk
         self._caches: OrderedDict[int, _ExampleCache] = OrderedDict()
-
-    def __getattr__(self, name: str):
-        # stands in for its model anywhere in the lens: what the engine does not answer itself
-        # (cfg, hook_dict, run_with_hooks, state_dict, ...) is the model's
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def __call__(self, *args, **kwargs):
-        """A full forward of the model (dunder methods are not reached through __getattr__)."""
-        return self.model(*args, **kwargs)
 
     # --- clean passes ----------------------------------------------------------------------
 

@@ -21,6 +21,22 @@ class HookedModel(Protocol):
     def run_with_hooks(self, *args: Any, fwd_hooks: Sequence[Any] = (), **kwargs: Any) -> Any: ...
 
 
+class StandsIn:
+    """A backend that stands in for its hooked model anywhere in the lens: what it does not answer
+    itself (cfg, hook_dict, run_with_hooks, state_dict, ...) is its ``model``'s."""
+
+    model: Any
+
+    def __getattr__(self, name: str):
+        if name == "model":  # not set yet (unpickling, a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A full forward of the model (dunder methods are not reached through __getattr__)."""
+        return self.model(*args, **kwargs)
+
+
 # A Hugging Face tokenizer (a fast one where character spans are mapped to tokens).
 Tokenizer = PreTrainedTokenizerBase
 # Decoding and the engine also take the plain Hugging Face model.
