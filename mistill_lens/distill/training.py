@@ -246,7 +246,7 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
         ]
         raise CheckpointError(
             f"{out_dir} holds a distillation run with a different configuration ({', '.join(differing)}); "
-            "use another --out or the same options"
+            "use another output folder (out_dir) or the same options"
         )
     model, _ = load_hf_model(
         out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager"
@@ -270,7 +270,7 @@ def initial_student(config: DistillConfig):
         differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
         if differing:
             raise CheckpointError(
-                f"--student-init {config.student_init} has architecture {differing}, "
+                f"student_init {config.student_init} has architecture {differing}, "
                 "unlike the run's configuration"
             )
         return student
@@ -336,7 +336,8 @@ def distill(
         if trained_with != list(heads):
             raise CheckpointError(
                 f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
-                f"{list(heads)} (a changed default?): pass --student-heads to match, or use another --out"
+                f"{list(heads)} (a changed default?): give student_head_set to match, or use another "
+                "output folder (out_dir)"
             )
     items, too_long = distillation_items(
         examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, context_length(student)

@@ -105,7 +105,7 @@ def with_context(model: PreTrainedModel, n_ctx: int) -> PreTrainedModel:
     if not isinstance(model.config, LlamaConfig):
         raise ValueError(
             f"a GPT-2 student has {context_length(model)} learned positions and cannot read "
-            f"{n_ctx}: start from a Llama student (--student llama) or from a fresh GPT-2 student"
+            f"{n_ctx}: start from a Llama student or from a fresh GPT-2 student"
         )
     model.config.max_position_embeddings = n_ctx
     return model
@@ -166,10 +166,10 @@ def load_base_student(path, family: str, dtype: torch.dtype) -> PreTrainedModel:
     expected = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
     if not isinstance(model, expected):
         raise CheckpointError(
-            f"--student-init {path} holds a {type(model).__name__}, not a {family} student"
+            f"student_init {path} holds a {type(model).__name__}, not a {family} student"
         )
     if tokenizer.get_vocab() != family_tokenizer(family).get_vocab():
         raise CheckpointError(
-            f"--student-init {path} was trained with another tokenizer than the {family} student's"
+            f"student_init {path} was trained with another tokenizer than the {family} student's"
         )
     return model

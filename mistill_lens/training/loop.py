@@ -104,7 +104,7 @@ def load_training_state(out_dir: Path, fingerprint: dict[str, str]) -> dict | No
     try:
         check_fingerprint(state.get("fingerprint"), fingerprint, f"the training state in {out_dir}")
     except StaleResultError as err:
-        raise CheckpointError(f"{err}; use another --out") from err
+        raise CheckpointError(f"{err}; use another output folder (out_dir)") from err
     return state
 
 
@@ -377,7 +377,7 @@ def build_model(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> PreT
         model, init_tokenizer = load_hf_model(config.init_from)
         if init_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise CheckpointError(
-                f"--init-from {config.init_from} was trained with another tokenizer"
+                f"init_from {config.init_from} was trained with another tokenizer"
             )
         return model
     hf_config = fresh_config(config, tokenizer)
@@ -423,8 +423,9 @@ def learned_positions(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -
 def too_long(n_tokens: int, context: int, config: TrainConfig) -> ValueError:
     return ValueError(
         f"a training example of {n_tokens} tokens exceeds the model's {context} positions "
-        f"(K = {config.k}, up to {config.max_mentions} mentions): give a smaller --k or "
-        "--max-mentions, or train a model with rotary positions (--base smollm2, or --student llama)"
+        f"(K = {config.k}, up to {config.max_mentions} mentions): give a smaller k or "
+        "max_mentions, or train a model with rotary positions (base='smollm2', or a Llama "
+        "student)"
     )
 
 
@@ -450,7 +451,7 @@ def _lora_model(config: TrainConfig, resume_from: Path | None = None):
     if source is not None:
         if not is_adapter_checkpoint(source):
             raise CheckpointError(
-                f"--init-from {source} is not a LoRA checkpoint of base {config.base!r}"
+                f"init_from {source} is not a LoRA checkpoint of base {config.base!r}"
             )
         return load_adapter(resolve(source), base, trainable=True)
     torch.manual_seed(config.seed)
@@ -495,7 +496,7 @@ def _resume(out_dir: Path, config: TrainConfig, tokenizer: PreTrainedTokenizerFa
         ]
         raise CheckpointError(
             f"{out_dir} holds a run with a different configuration ({', '.join(differing)}); "
-            "use another --out or the same options"
+            "use another output folder (out_dir) or the same options"
         )
     model = (
         _lora_model(config, resume_from=out_dir)
