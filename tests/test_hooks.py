@@ -309,3 +309,22 @@ def test_the_same_hooks_work_on_a_llama_bridge_with_grouped_kv_heads(planted, pl
     attribution = attribution_scores(model, batch, means)
     assert exact.abs().max() > 1e-3
     assert torch.corrcoef(torch.stack([attribution.flatten(), exact.flatten()]))[0, 1] > 0.95
+
+
+def test_heads_are_named_as_the_figures_write_them_and_means_print_briefly(planted, planted_data):
+    from mistill_lens.lens.hooks import as_head, mean_ablation_hooks, validate_heads
+
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    assert as_head("L1H3") == (1, 3) and as_head("l0h2") == (0, 2) and as_head((1, 0)) == (1, 0)
+    assert validate_heads(bridge, ["L1H2", (0, 1), "L0H1"]) == [(0, 1), (1, 2)]
+    classes = event_position_classes(batch, means.class_names)
+    named = run_margins(bridge, batch, mean_ablation_hooks(bridge, ["L0H0"], means, classes))
+    pair = run_margins(bridge, batch, mean_ablation_hooks(bridge, [(0, 0)], means, classes))
+    assert torch.equal(named, pair)
+    with pytest.raises(ValueError, match="not a name like 'L29H1'"):
+        as_head("layer 1 head 2")
+    with pytest.raises(IndexError, match="out of range"):
+        validate_heads(bridge, ["L9H0"])
+    text = repr(means)
+    assert "reference positions per class" in text and len(text) < 300

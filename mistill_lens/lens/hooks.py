@@ -11,6 +11,7 @@ Per-head activations are read and written at `blocks.{l}.attn.hook_z` [batch, po
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -54,7 +55,7 @@ def validate_heads(
 ) -> list[Head]:
     """Sorted unique heads, with clear errors for out-of-range indices and empty sets."""
     n_layers, n_heads = n_layers_heads(model)
-    unique = sorted({(_index(layer, "layer"), _index(head, "head")) for layer, head in heads})
+    unique = sorted(set(map(as_head, heads)))
     if not unique and not allow_empty:
         raise ValueError("empty head set: nothing to intervene on")
     bad = [(l, h) for l, h in unique if not (0 <= l < n_layers and 0 <= h < n_heads)]
@@ -63,6 +64,24 @@ def validate_heads(
             f"heads {bad} out of range for a model with {n_layers} layers x {n_heads} heads"
         )
     return unique
+
+
+_HEAD_NAME = re.compile(r"^L(\d+)H(\d+)$", re.IGNORECASE)
+
+
+def as_head(value) -> Head:
+    """A head as ``(layer, head)``, from a pair of integers or a name as every figure writes it
+    (``"L29H1"``)."""
+    if isinstance(value, str):
+        match = _HEAD_NAME.match(value.strip())
+        if match is None:
+            raise ValueError(f"head {value!r} is not a name like 'L29H1' (layer 29, head 1)")
+        return int(match.group(1)), int(match.group(2))
+    try:
+        layer, head = value
+    except (TypeError, ValueError):
+        raise TypeError(f"a head is (layer, head) or a name like 'L29H1', got {value!r}") from None
+    return _index(layer, "layer"), _index(head, "head")
 
 
 def _index(value, what: str) -> int:
@@ -81,7 +100,7 @@ def head_mask(model: HookedModel, heads: Iterable[Head]) -> Tensor:
     """Bool [layer, head] mask of `heads`."""
     n_layers, n_heads = n_layers_heads(model)
     mask = torch.zeros(n_layers, n_heads, dtype=torch.bool)
-    for layer, head in heads:
+    for layer, head in map(as_head, heads):
         mask[layer, head] = True
     return mask
 
@@ -107,6 +126,14 @@ class HeadMeans:
     class_names: tuple[str, ...]
     means: Float[Tensor, "cls layer head d_head"]
     counts: Int[Tensor, "cls"]
+
+    def __repr__(self) -> str:
+        n_classes, n_layers, n_heads, d_head = self.means.shape
+        counts = dict(zip(self.class_names, self.counts.tolist()))
+        return (
+            f"HeadMeans({n_layers} layers x {n_heads} heads x d_head {d_head}; reference "
+            f"positions per class {counts})"
+        )
 
     def class_index(self, name: str) -> int:
         if name not in self.class_names:
