@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.hooks import Head, HeadMeans, validate_heads
+from mistill_lens.lens.hooks import Head, HeadMeans, head_mask, validate_heads
 from mistill_lens.lens.model_types import HookedModel
 
 BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
@@ -74,11 +74,7 @@ def _mean_margins(
 ) -> list[float]:
     """Mean margin over the events with each head set jointly mean-ablated (`keep`: every head
     *but* the set ablated), all sets in one batched call on the model's backend."""
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    masks = torch.zeros(len(sets), n_layers, n_heads, dtype=torch.bool)
-    for row, heads in enumerate(sets):
-        for layer, head in heads:
-            masks[row, layer, head] = True
+    masks = torch.stack([head_mask(model, heads) for heads in sets])
     if keep:
         masks = ~masks
     return backend_for(model).set_margins(batch, means, masks).mean(dim=1).tolist()
@@ -214,12 +210,10 @@ def faithful_circuit(
     found = set(necessity.smallest(target) or necessity.sets[-1])
     found |= set(sufficiency.smallest(target) or sufficiency.sets[0])
     heads = sorted(found)
-    masks = torch.zeros(3, model.cfg.n_layers, model.cfg.n_heads, dtype=torch.bool)
-    for layer, head in heads:
-        masks[1, layer, head] = True
-    masks[2] = ~masks[1]  # every head but the set ablated
-    empty = ~masks[0]  # every head ablated
-    margins = backend_for(model).set_margins(validation, means, torch.cat([masks, empty[None]]))
+    chosen = head_mask(model, heads)
+    # no head, the set, every head but the set, every head ablated
+    masks = torch.stack([torch.zeros_like(chosen), chosen, ~chosen, torch.ones_like(chosen)])
+    margins = backend_for(model).set_margins(validation, means, masks)
     clean, ablated, kept, none = (m.double().numpy() for m in margins)
     ids = [e.example_id for e in validation.events]
     necessity_value, necessity_ci = _ratio_ci(clean - ablated, clean, ids, seed)
