@@ -365,6 +365,7 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
     bridge = to_bridge(student, tokenizer)
     bridge.train()
     heads = config.student_heads(
+        (bridge.cfg.n_layers, bridge.cfg.n_heads),
         (teacher.cfg.n_layers, teacher.cfg.n_heads),
         [h for hs in heads_by_kind.values() for h in hs],
     )

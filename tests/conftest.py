@@ -79,3 +79,21 @@ def calibration(planted, planted_data):
     real = head_ablation_effects(bridge, planted_data["batch"], planted_data["means"])
     null = head_ablation_effects(bridge, planted_data["nulls"], planted_data["means"])
     return calibrate(real, planted_data["batch"].kinds, null)
+
+
+@pytest.fixture(scope="module")
+def random_teacher():
+    """A 2-layer random GPT-2 on the teacher tokenizer, bridged: attention targets to distil from."""
+    from mistill_lens.models.bridge import to_bridge
+    from mistill_lens.models.checkpoints import teacher_config
+    from mistill_lens.models.tokenizers import teacher_tokenizer
+
+    tokenizer = teacher_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        teacher_config(
+            len(tokenizer), n_layer=2, n_head=2, n_embd=32, eos_token_id=tokenizer.eos_token_id
+        )
+    ).eval()
+    model.config._attn_implementation = "eager"
+    return to_bridge(model, tokenizer), tokenizer

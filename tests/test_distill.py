@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from transformers import ByT5Tokenizer, GPT2LMHeadModel
+from transformers import ByT5Tokenizer
 
 import mistill_lens.distill.training as training_module
 from mistill_lens import task
@@ -25,7 +25,7 @@ from mistill_lens.distill.attention import (
     teacher_event_attention,
     teacher_head_sets,
 )
-from mistill_lens.distill.data import as_generated, generation_events
+from mistill_lens.distill.data import reproduces_verbatim
 from mistill_lens.distill.evaluation import (
     EVALUATION_FILE,
     causal_recovery,
@@ -55,7 +55,6 @@ from mistill_lens.models.checkpoints import (
     load_hf_model,
     read_metadata,
     save_checkpoint,
-    teacher_config,
     to_bridge,
 )
 from mistill_lens.models.students import build_student, exportable, family_tokenizer, student_config
@@ -76,21 +75,13 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def examples():
-    # gold outputs stand in for a perfect teacher's generations (the events then hold verbatim)
-    return [as_generated(e, e.output) for e in task.generate_examples(6, 0, "train", **TASK)]
+    # gold outputs stand in for traces a perfect teacher reproduces verbatim
+    return task.generate_examples(6, 0, "train", **TASK)
 
 
 @pytest.fixture(scope="module")
-def teacher():
-    tokenizer = teacher_tokenizer()
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(
-        teacher_config(
-            len(tokenizer), n_layer=2, n_head=2, n_embd=32, eos_token_id=tokenizer.eos_token_id
-        )
-    ).eval()
-    model.config._attn_implementation = "eager"
-    return to_bridge(model, tokenizer), tokenizer
+def teacher(random_teacher):
+    return random_teacher
 
 
 @pytest.fixture(scope="module")
@@ -206,23 +197,25 @@ def test_events_land_inside_their_character_spans_in_both_tokenizers(examples):
                 assert s < event.char_end and e > event.char_start
 
 
-def test_generation_events_keep_exactly_the_reproduced_lines():
-    example = next(
-        e for e in task.generate_examples(20, 3, "train", **TASK) if len(e.mentions) == 2
-    )
-    assert generation_events(example, example.output) == example.events
-    first, second, codes = example.output.splitlines(keepends=True)
-    generated = (
-        first.replace(" => region ", " => region  ") + second + codes
-    )  # mention 0 is now wrong
-    events = generation_events(example, generated)
-    assert [e.mention for e in events] == [1] * sum(e.mention == 1 for e in example.events)
-    text = example.prompt + generated
-    assert all(text[e.start : e.end] == e.chosen for e in events)
-    assert all(
-        e.start == g.start + 1
-        for e, g in zip(events, [g for g in example.events if g.mention == 1])
-    )
+def test_a_trace_is_verbatim_exactly_when_greedy_decoding_writes_it():
+    from dataclasses import replace
+
+    from mistill_lens.models.checkpoints import load_hf_model
+    from mistill_lens.models.generate import greedy_text
+    from mistill_lens.task.metrics import MAX_NEW_TOKENS
+
+    model, tokenizer = load_hf_model("tiny")
+    examples = task.generate_examples(12, 5, "train", k=4, max_mentions=1, universe_size=300)
+    verdicts = []
+    for example in examples:
+        greedy = greedy_text(model, tokenizer, example.prompt, MAX_NEW_TOKENS)
+        verbatim = reproduces_verbatim(model, tokenizer, example)
+        assert verbatim == (greedy == example.output)
+        verdicts.append(verbatim)
+        # the teacher's own greedy output is verbatim by definition, a changed one is not
+        assert reproduces_verbatim(model, tokenizer, replace(example, output=greedy))
+        assert not reproduces_verbatim(model, tokenizer, replace(example, output=greedy + "x"))
+    assert any(verdicts) and not all(verdicts), verdicts  # both outcomes were tested
 
 
 # --- targets and loss ------------------------------------------------------------------------
@@ -333,6 +326,13 @@ def test_lambda_zero_reproduces_the_cot_run(teacher, examples, tmp_path):
     assert (
         mistill["final_cot_loss"] != cot["final_cot_loss"]
     )  # the attention term does change training
+    # the pair saw identical data in the same order from identical initial weights, recorded
+    assert cot["paired"] == mistill["paired"] == zero["paired"]
+    other_seed = run(
+        {"objective": "cot", "steps": 4, "seed": 1}, teacher, examples, tmp_path / "s1"
+    )
+    assert other_seed["paired"]["initial weights"] != cot["paired"]["initial weights"]
+    assert other_seed["paired"]["data"] != cot["paired"]["data"]  # another order
 
 
 def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_path, monkeypatch):
@@ -448,18 +448,18 @@ def test_an_explicit_student_head_set_is_pooled_and_resumes(teacher, examples, t
 
 def test_default_student_heads_are_homologous_only_for_a_same_family_student_of_the_teachers_shape():
     teacher_heads = [(0, 1), (1, 0), (1, 0)]
-    same = DistillConfig(**{**TINY, "family": "gpt2"})
-    assert same.student_heads((2, 2), teacher_heads) == [(0, 1), (1, 0)]
-    assert same.student_heads((4, 2), teacher_heads) == [
-        (1, 0),
-        (1, 1),
+    config = DistillConfig(**{**TINY, "family": "gpt2"})
+    assert config.student_heads((2, 2), (2, 2), teacher_heads) == [(0, 1), (1, 0)]
+    assert config.student_heads((4, 2), (2, 2), teacher_heads) == [
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
     ]  # another shape: the upper half
-    assert DistillConfig(**{**TINY, "family": "llama"}).student_heads((2, 2), teacher_heads) == [
-        (1, 0),
-        (1, 1),
-    ]
+    # a cross-family student (no teacher shape given): the upper half
+    assert config.student_heads((2, 2), None, teacher_heads) == [(1, 0), (1, 1)]
     assert DistillConfig(**{**TINY, "family": "gpt2", "student_layers": (0,)}).student_heads(
-        (2, 2), teacher_heads
+        (2, 2), (2, 2), teacher_heads
     ) == [(0, 0), (0, 1)]
 
 

@@ -299,18 +299,19 @@ def test_a_checkpoint_edited_after_it_was_written_is_not_resumed(tmp_path):
         train(replace(config, steps=2), tmp_path / "run", progress=False)
 
 
-def test_a_truncated_generations_cache_is_detected_and_redone(tmp_path):
-    from mistill_lens.distill.data import teacher_generations
+def test_a_truncated_traces_cache_is_detected_and_redone(tmp_path):
+    from mistill_lens.distill.data import teacher_traces
 
     task_config = {"universe_size": 300, "k": 4, "max_mentions": 1}
-    first = teacher_generations("tiny", 4, 0, "train", task_config, tmp_path, progress=False)
-    (path,) = tmp_path.glob("generations-*.jsonl")
+    first, tried = teacher_traces("tiny", 8, 0, "train", task_config, tmp_path, progress=False)
+    assert tried == 8 and len(first) >= 2
+    (path,) = tmp_path.glob("verbatim-*.jsonl")
     lines = path.read_text().splitlines(keepends=True)
-    path.write_text("".join(lines[:2]))  # half the cache, each line intact
+    path.write_text("".join(lines[:1]))  # part of the cache, each line intact
     with pytest.warns(UserWarning, match="lines, sha256 differ"):
-        again = teacher_generations("tiny", 4, 0, "train", task_config, tmp_path, progress=False)
+        again, _ = teacher_traces("tiny", 8, 0, "train", task_config, tmp_path, progress=False)
     assert [e.to_json() for e in again] == [e.to_json() for e in first]
-    assert len(task.read_jsonl(path)) == 4
+    assert len(task.read_jsonl(path)) == len(first)
 
 
 # --- degenerate runs ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mistill_lens.training.loop import LORA_TARGETS, output_loss
+from mistill_lens.models.lora import LORA_TARGETS
+from mistill_lens.training.loop import output_loss
 
 
 def main() -> None:

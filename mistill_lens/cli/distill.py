@@ -19,6 +19,7 @@ from mistill_lens.cli.arguments import (
     SEED,
 )
 from mistill_lens.distill import FAMILIES, OBJECTIVES, PRECISIONS
+from mistill_lens.models import BASE_MODELS
 
 
 def student_architecture_options(args: argparse.Namespace) -> dict:
@@ -26,6 +27,14 @@ def student_architecture_options(args: argparse.Namespace) -> dict:
     agree with it; a Llama's rotary context may grow), else --n-layer/--n-head/--n-embd/--n-ctx
     or their defaults."""
     sizes = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd}
+    if args.student in BASE_MODELS:  # the base's own architecture; --student-init: an adapter
+        given = [f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"--student {args.student} is a pretrained base with its own architecture: "
+                f"drop {', '.join(given)}"
+            )
+        return {"n_ctx": args.n_ctx, "student_init": args.student_init, "lora_r": args.lora_r}
     if args.student_init is None:
         defaults = {"n_layer": 4, "n_head": 4, "n_embd": 96}
         fresh = {k: v if v is not None else defaults[k] for k, v in sizes.items()}
@@ -69,7 +78,7 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
 
 def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
-    from mistill_lens.distill.data import teacher_generations
+    from mistill_lens.distill.data import teacher_traces
     from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
     from mistill_lens.distill.teacher import teacher_characterization, teacher_task_config
     from mistill_lens.distill.training import DistillConfig, distill
@@ -102,7 +111,7 @@ def run_distill(args: argparse.Namespace) -> dict:
         )
         circuits = characterization.circuits
     heads_by_kind = teacher_head_sets(circuits)
-    examples = teacher_generations(
+    examples, n_tried = teacher_traces(
         teacher_dir, args.n_train, args.data_seed, "train", task_config, cache, progress
     )
     layers = tuple(int(x) for x in args.student_layers.split(",")) if args.student_layers else None
@@ -133,11 +142,13 @@ def run_distill(args: argparse.Namespace) -> dict:
         examples,
         heads_by_kind,
         out,
+        cache_dir=cache,
         command=command,
         extra_metadata={
             "teacher_dir": str(teacher_dir),
             "teacher_heads_source": str(heads_source),
             "teacher_events": n_events,
+            "teacher_traces": {"tried": n_tried, "reproduced_verbatim": len(examples)},
             "task": task_config,
         },
         progress=progress,
@@ -190,10 +201,11 @@ def add_distill_parsers(sub) -> None:
     )
     parser.add_argument(
         "--student",
-        choices=FAMILIES,
+        choices=FAMILIES + BASE_MODELS,
         required=True,
         help="llama: a small Llama on the student tokenizer; gpt2: a small GPT-2 on the tiny teacher's "
-        "tokenizer (the same family and tokenizer as --teacher tiny)",
+        "tokenizer (the same family and tokenizer as --teacher tiny); smollm2, gemma3: that "
+        "pretrained base fine-tuned with a LoRA adapter, on its own tokenizer",
     )
     parser.add_argument("--objective", choices=OBJECTIVES, required=True)
     parser.add_argument(
@@ -237,13 +249,21 @@ def add_distill_parsers(sub) -> None:
         "--n-ctx",
         type=POSITIVE_INT,
         default=None,
-        help="student positions (default: llama 2048, gpt2 1024; a Llama --student-init's rotary "
-        "context grows to it, a GPT-2's learned one cannot)",
+        help="student positions (default: llama 2048, gpt2 1024, a pretrained base 4096; a Llama "
+        "--student-init's rotary context grows to it, a GPT-2's learned one cannot)",
     )
     parser.add_argument(
         "--student-init",
         default=None,
-        help="start from this base student (`train --role student`) instead of a fresh initialisation",
+        help="start from this base student (`train --role student`) instead of a fresh "
+        "initialisation; for a pretrained --student, a LoRA checkpoint of that base (`train --base`, "
+        "e.g. a shared warm-up)",
+    )
+    parser.add_argument(
+        "--lora-r",
+        type=POSITIVE_INT,
+        default=16,
+        help="LoRA rank of a pretrained --student's fresh adapter (default 16)",
     )
     parser.add_argument(
         "--student-layers",
@@ -263,7 +283,8 @@ def add_distill_parsers(sub) -> None:
         "--n-train",
         type=POSITIVE_INT,
         default=256,
-        help="training prompts the teacher answers (distillation data)",
+        help="training prompts tried; those whose gold trace the teacher reproduces verbatim are "
+        "the distillation data",
     )
     parser.add_argument(
         "--data-seed",

@@ -11,9 +11,10 @@ It runs in the one training loop (:func:`mistill_lens.training.loop.run_steps`) 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -29,17 +30,28 @@ from mistill_lens.distill.attention import (
     student_item,
 )
 from mistill_lens.lens.backends import choose_backend
-from mistill_lens.lens.fingerprint import value_digest
+from mistill_lens.lens.fingerprint import tensor_digest, value_digest
 from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
+from mistill_lens.models import FAMILIES
 from mistill_lens.models.checkpoints import (
+    BASE_MODELS,
     CheckpointError,
+    adapter_base_name,
+    adapter_rank,
+    base_tokenizer,
+    base_weights_digest,
+    is_adapter_checkpoint,
+    load_adapter,
+    load_base_model,
     load_hf_model,
     read_metadata,
+    resolve,
     save_checkpoint,
     to_bridge,
     weights_digest,
 )
+from mistill_lens.models.lora import AdapterExport, fresh_adapter
 from mistill_lens.models.students import (
     DEFAULT_CONTEXT,
     autocast,
@@ -65,9 +77,16 @@ from mistill_lens.training.loop import (
     run_steps,
 )
 
+# A pretrained student's positions are rotary (SmolLM2 reads 8,192, Gemma 3 32,768): 4,096 holds
+# any K = 64 example with four mentions in either tokenizer.
+PRETRAINED_CONTEXT = 4096
+ARCHITECTURE_FIELDS = ("n_layer", "n_head", "n_embd", "n_kv_head")
+
 
 @dataclass(frozen=True)
 class DistillConfig:
+    # A tiny student family trained from scratch (FAMILIES: "llama", "gpt2") or a pretrained base
+    # fine-tuned with a LoRA adapter (BASE_MODELS: "smollm2", "gemma3").
     family: str = "llama"
     objective: str = "mistill"
     precision: str = "fp32-master"
@@ -93,12 +112,21 @@ class DistillConfig:
     data_seed: int = 0
     # A base student's folder (`train --role student`) to start from instead of a fresh
     # initialisation; the architecture fields above must then be that student's.
+    # For a pretrained student: a LoRA checkpoint of the same base (e.g. a shared warm-up).
     student_init: str | None = None
+    lora_r: int = 16  # a pretrained student's LoRA rank; 0: full fine-tuning
 
     def __post_init__(self):
-        family_tokenizer(self.family)
+        if self.family not in FAMILIES + BASE_MODELS:
+            raise ValueError(
+                f"unknown student {self.family!r}; expected a tiny family {FAMILIES} or a "
+                f"pretrained base {BASE_MODELS}"
+            )
+        if self.pretrained:  # its architecture is the base's: none of the fresh-student sizes
+            for name in ARCHITECTURE_FIELDS:
+                object.__setattr__(self, name, None)
         if self.n_ctx is None:  # resolved here, so the recorded configuration holds the number
-            object.__setattr__(self, "n_ctx", DEFAULT_CONTEXT[self.family])
+            object.__setattr__(self, "n_ctx", DEFAULT_CONTEXT.get(self.family, PRETRAINED_CONTEXT))
         check_options(
             self,
             **RUN_OPTION_CHECKS,
@@ -107,6 +135,7 @@ class DistillConfig:
             n_ctx=options.positive,
             n_train=options.non_negative,
             data_seed=options.seed,
+            lora_r=options.non_negative,
         )
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; expected one of {OBJECTIVES}")
@@ -117,24 +146,43 @@ class DistillConfig:
             )
 
     @property
+    def pretrained(self) -> bool:
+        return self.family in BASE_MODELS
+
+    @property
+    def lora(self) -> bool:
+        """Whether the student trains a LoRA adapter (a pretrained student with lora_r > 0)."""
+        return self.pretrained and self.lora_r > 0
+
+    @property
     def effective_weight(self) -> float:
         return self.attention_weight if self.objective == "mistill" else 0.0
 
     def student_heads(
-        self, teacher_shape: tuple[int, int] | None = None, teacher_heads: Sequence[Head] = ()
+        self,
+        student_shape: tuple[int, int],
+        teacher_shape: tuple[int, int] | None = None,
+        teacher_heads: Sequence[Head] = (),
     ) -> list[Head]:
-        """The student heads whose attention is pooled. Default: for a same-family student of the
-        teacher's shape (`teacher_shape` = its layers, heads), the teacher's own head positions
-        (`teacher_heads`): the homologous heads; otherwise every head of the upper half of the layers.
-        Pooling many student heads toward a one-head target collapses a same-family student
-        (docs/distill.md), while supervising the homologous head transfers the mechanism."""
+        """The student heads whose attention is pooled. Default: for a same-family student
+        (`teacher_shape` given: the teacher's layers, heads) of the teacher's shape
+        (`student_shape`), the teacher's own head positions (`teacher_heads`): the homologous
+        heads; otherwise every head of the upper half of the layers. Pooling many student heads
+        toward a one-head target collapses a same-family student (docs/distill.md), while
+        supervising the homologous head transfers the mechanism."""
+        n_layer, n_head = student_shape
         if self.student_head_set is not None:
             return [tuple(head) for head in self.student_head_set]
         if self.student_layers is not None:
-            return heads_in_layers(self.n_head, list(self.student_layers))
-        if self.family == "gpt2" and teacher_shape == (self.n_layer, self.n_head) and teacher_heads:
+            return heads_in_layers(n_head, list(self.student_layers))
+        if teacher_shape == student_shape and teacher_heads:
             return sorted(set(teacher_heads))
-        return heads_in_layers(self.n_head, list(range(self.n_layer // 2, self.n_layer)))
+        return heads_in_layers(n_head, list(range(n_layer // 2, n_layer)))
+
+
+def same_family(student: HookedModel, teacher: HookedModel) -> bool:
+    """Whether the student is of the teacher's architecture (its Hugging Face model class)."""
+    return student.cfg.architecture == teacher.cfg.architecture
 
 
 def distillation_items(
@@ -167,6 +215,52 @@ def distillation_items(
             "DistillConfig.n_ctx), or distil at a smaller K"
         )
     return items, too_long
+
+
+def cached_items(
+    cache_dir: Path | None,
+    inputs: Mapping[str, str],
+    build: Callable[[], tuple[list[DistillItem], int]],
+    tokenizer: Tokenizer,
+) -> tuple[list[DistillItem], int]:
+    """``build()``, or its result saved in `cache_dir` under a name made of everything it depends
+    on (`inputs`: the examples, the teacher's weights and head sets; the student's tokenizer and
+    context). A file that cannot be read back is rebuilt."""
+    if cache_dir is None:
+        return build()
+    key = value_digest(
+        {
+            **{k: v for k, v in inputs.items() if k != "student init weights"},
+            "tokenizer": value_digest(tokenizer.get_vocab()),
+        }
+    )
+    path = cache_dir / f"items-{key[:16]}.pt"
+    if path.is_file():
+        try:
+            saved = torch.load(path, weights_only=False)
+            return [DistillItem(**item) for item in saved["items"]], saved["too_long"]
+        except (OSError, RuntimeError, KeyError, TypeError, EOFError) as err:
+            warnings.warn(
+                f"distillation items cache {path} unreadable ({err}): rebuilt", stacklevel=2
+            )
+    items, too_long = build()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save({"items": [asdict(item) for item in items], "too_long": too_long}, partial)
+    partial.replace(path)  # whole or absent: a crash leaves no half-written cache
+    return items, too_long
+
+
+def items_digest(items: Sequence[DistillItem], config: DistillConfig) -> str:
+    """Digest of the training data as the run sees it: every item's tokens, targets and attention
+    targets, and the order of the items over all steps."""
+    order = [
+        batch_indices(step, config.batch_size, len(items), config.seed)
+        for step in range(config.steps)
+    ]
+    tokens = value_digest([[item.ids, item.target_mask, item.query_positions] for item in items])
+    targets = tensor_digest(*(t for item in items for t in item.attention_targets))
+    return value_digest({"tokens": tokens, "attention targets": targets, "order": order})
 
 
 def batch_indices(step: int, batch_size: int, n_items: int, seed: int) -> list[int]:
@@ -203,7 +297,7 @@ def student_losses(
     return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)
 
 
-DISTILL_FORMAT = "distill-v1"  # bump when the training state's layout or meaning changes
+DISTILL_FORMAT = "distill-v2"  # bump when the training state's layout or meaning changes
 
 
 def distill_fingerprint(
@@ -223,6 +317,7 @@ def distill_fingerprint(
         "student init weights": weights_digest(config.student_init)
         if config.student_init
         else "fresh",
+        **({"base weights": base_weights_digest(config.family)} if config.pretrained else {}),
     }
 
 
@@ -248,6 +343,8 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
             f"{out_dir} holds a distillation run with a different configuration ({', '.join(differing)}); "
             "use another output folder (out_dir) or the same options"
         )
+    if config.pretrained:
+        return pretrained_student(config, resume_from=out_dir), state
     model, _ = load_hf_model(
         out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager"
     )
@@ -258,9 +355,48 @@ def _tuple(value):
     return tuple(value) if value is not None else None
 
 
+def student_tokenizer(config: DistillConfig) -> Tokenizer:
+    """A pretrained student reads its base's own tokenizer; a tiny family its shipped one."""
+    return base_tokenizer(config.family) if config.pretrained else family_tokenizer(config.family)
+
+
+def pretrained_student(config: DistillConfig, resume_from: Path | None = None):
+    """The pretrained base in the run's precision, with a trainable LoRA adapter (a peft model) or
+    whole (``lora_r`` 0: full fine-tuning): resumed from `resume_from` (an interrupted run), started
+    from ``config.student_init`` (a LoRA checkpoint of the same base, merged first for full
+    fine-tuning), or fresh (the adapter seeded by ``config.seed``). Eager attention: the bridge
+    records the patterns the attention loss reads."""
+    dtype = precision_dtype(config.precision)
+    if resume_from is not None and not config.lora:
+        return load_hf_model(resume_from, dtype=dtype, attn_implementation="eager")[0]
+    base, _ = load_base_model(config.family, dtype=dtype, attn_implementation="eager")
+    source = resume_from if resume_from is not None else config.student_init
+    if source is None:
+        student = fresh_adapter(base, config.lora_r, config.seed) if config.lora else base
+    else:
+        path = resolve(source)
+        if not is_adapter_checkpoint(path) or adapter_base_name(path) != config.family:
+            raise CheckpointError(
+                f"student_init {source} is not a LoRA checkpoint of base {config.family!r}"
+            )
+        rank = adapter_rank(path)
+        if config.lora and rank != config.lora_r:
+            raise CheckpointError(
+                f"student_init {source} holds a rank-{rank} adapter, the run asks for lora_r "
+                f"{config.lora_r}: give lora_r={rank} (or 0 to fine-tune the merged model fully)"
+            )
+        student = load_adapter(path, base, trainable=config.lora)
+        if not config.lora:
+            student = student.merge_and_unload()
+    return student.to(dtype)  # peft keeps adapters in float32 over a bf16 base: bf16 trains bf16
+
+
 def initial_student(config: DistillConfig):
-    """The student before its first step: the base student of ``config.student_init``, or a fresh
-    initialisation (seeded by ``config.seed``), in the run's precision."""
+    """The student before its first step: a pretrained base with a LoRA adapter, the base student
+    of ``config.student_init``, or a fresh initialisation (seeded by ``config.seed``), in the run's
+    precision."""
+    if config.pretrained:
+        return pretrained_student(config)
     dtype = precision_dtype(config.precision)
     if config.student_init is not None:
         student = with_context(
@@ -296,6 +432,7 @@ def distill(
     heads_by_kind: Mapping[str, Sequence[Head]],
     out_dir: str | Path,
     *,
+    cache_dir: str | Path | None = None,
     command: str = "",
     extra_metadata: Mapping | None = None,
     progress: bool = True,
@@ -303,12 +440,14 @@ def distill(
     """Train (or resume) a student on `examples` (prompts with the teacher's outputs and events).
 
     `teacher` is a TransformerBridge, `heads_by_kind` its characterised head set per event kind.
-    Returns the metadata written next to the weights.
+    The items (the student's sequences and the teacher's attention targets: one teacher pass per
+    example) are kept in `cache_dir` when given, so the runs of a grid and a resumed run share
+    them. Returns the metadata written next to the weights.
     """
     out_dir = claim_checkpoint_dir(out_dir, "distill")
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
-    tokenizer = family_tokenizer(config.family)
+    tokenizer = student_tokenizer(config)
     dtype = precision_dtype(config.precision)
     torch.manual_seed(config.seed)
     fingerprint = distill_fingerprint(config, examples, heads_by_kind)
@@ -321,13 +460,16 @@ def distill(
         step, elapsed, log = state["step"], state["elapsed_s"], state["log"]
     # Counted before bridging: the GPT-2 bridge adds split q/k/v copies of the fused attention
     # weights (the fused one then gets no gradient), which would inflate the count.
-    n_params = sum(p.numel() for p in student.parameters())
-    bridge = to_bridge(student, tokenizer, dtype=dtype)
+    n_params = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    n_params_total = sum(p.numel() for p in student.parameters())
+    # a peft student is bridged through its wrapped model, adapters included (bridged in place)
+    bridge = to_bridge(student.get_base_model() if config.lora else student, tokenizer, dtype=dtype)
     bridge.train()
     heads = validate_heads(
         bridge,
         config.student_heads(
-            n_layers_heads(teacher),
+            n_layers_heads(bridge),
+            n_layers_heads(teacher) if same_family(bridge, teacher) else None,
             [head for kind_heads in heads_by_kind.values() for head in kind_heads],
         ),
     )
@@ -339,13 +481,28 @@ def distill(
                 f"{list(heads)} (a changed default?): give student_head_set to match, or use another "
                 "output folder (out_dir)"
             )
-    items, too_long = distillation_items(
-        examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, context_length(student)
+    n_ctx = config.n_ctx if config.pretrained else context_length(student)
+    items, too_long = cached_items(
+        None if cache_dir is None else Path(cache_dir),
+        {**fingerprint, "teacher": config.teacher, "n_ctx": str(n_ctx)},
+        lambda: distillation_items(
+            examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, n_ctx
+        ),
+        tokenizer,
     )
     parameters = [p for p in student.parameters() if p.requires_grad]
     optimizer = make_optimizer(config, parameters)
     if resumed is not None:
         optimizer.load_state_dict(resumed[1]["optimizer"])
+    # what the CoT and MISTILL runs of one seed must share, recorded when the run starts
+    paired = (
+        resumed[1]["paired"]
+        if resumed is not None
+        else {
+            "initial weights": tensor_digest(*(p.detach() for p in parameters)),
+            "data": items_digest(items, config),
+        }
+    )
     n_events = sum(len(item.query_positions) for item in items)
     run_warnings = []
     if n_events == 0:
@@ -377,6 +534,8 @@ def distill(
             "config": asdict(config),
             "step": step,
             "n_params": n_params,
+            "n_params_total": n_params_total,
+            **({"base": config.family} if config.pretrained else {}),
             "train_time_s": round(elapsed, 1),
             "final_loss": log["loss"][-1] if log["loss"] else None,
             "final_cot_loss": log["cot"][-1] if log["cot"] else None,
@@ -392,6 +551,7 @@ def distill(
             "n_events": n_events,
             "n_too_long": too_long,
             "student_heads": [list(h) for h in heads],
+            "paired": paired,
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
             "torch": torch.__version__,
             **dict(extra_metadata or {}),
@@ -404,9 +564,10 @@ def distill(
             "elapsed_s": elapsed,
             "log": log,
             "optimizer": optimizer.state_dict(),
+            "paired": paired,
         }
         save_checkpoint(
-            exportable(student),
+            AdapterExport(student) if config.lora else exportable(student),
             tokenizer,
             out_dir,
             metadata,

