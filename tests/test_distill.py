@@ -35,6 +35,7 @@ from mistill_lens.distill.evaluation import (
 from mistill_lens.distill.report import (
     load_evaluations,
     paired_comparison,
+    passes_gate,
     sign_flip_p_value,
     summarise,
     write_report,
@@ -625,6 +626,37 @@ def test_paired_comparison_pairs_objectives_by_seed():
         0.25
     )
     assert paired.loc["code_f1"].mistill_higher == 0 and paired.loc["code_f1"].p_value == 1.0
+
+
+def test_the_gate_marks_cells_whose_cot_runs_cannot_do_the_task_and_pairs_must_match():
+    def row(family, objective, seed, code_f1, near_miss, n_eval=50, paired="a"):
+        return {
+            "family": family,
+            "precision": "fp32-master",
+            "objective": objective,
+            "seed": seed,
+            "run": f"{family}-{objective}-{seed}",
+            "code_f1": code_f1,
+            "near_miss_acc": near_miss,
+            "causal_recovery": 0.1,
+            "n_eval": n_eval,
+            "paired": {"data": paired, "initial weights": paired},
+        }
+
+    frame = pd.DataFrame(
+        [
+            row("smollm2", "cot", 0, 0.9, 0.8),
+            row("smollm2", "mistill", 0, 0.2, 0.1),  # the gate reads the CoT run alone
+            row("gemma3", "cot", 0, 0.9, 0.4),  # near-miss below 0.5
+            row("llama", "cot", 0, 0.9, 0.9, n_eval=20),  # too few examples to pass
+        ]
+    )
+    gates = dict(zip(summarise(frame).family, summarise(frame).gate))
+    assert gates == {"smollm2": "passed", "gemma3": "failed", "llama": "failed"}
+    assert passes_gate(frame.iloc[0]) and not passes_gate(frame.iloc[1])
+    unpaired = pd.concat([frame, pd.DataFrame([row("gemma3", "mistill", 0, 0.5, 0.5, paired="b")])])
+    with pytest.raises(ValueError, match="not a pair"):
+        paired_comparison(unpaired)
 
 
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):

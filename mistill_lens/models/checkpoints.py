@@ -37,6 +37,7 @@ TINY_TEACHER = ASSETS / "teacher_tiny"
 SHIPPED_TEACHERS = {"default": DEFAULT_TEACHER, "tiny": TINY_TEACHER}
 METADATA_FILE = "mistill.json"
 WEIGHTS_FILE = "model.safetensors"
+SHARDED_WEIGHTS_INDEX = "model.safetensors.index.json"  # a large Hugging Face model's shards
 # A LoRA checkpoint holds only the adapter; its base model comes from a registry package.
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -74,6 +75,27 @@ def teacher_config(
 def resolve(spec: str | Path) -> Path:
     """``default`` and ``tiny`` name the shipped teachers; anything else is a checkpoint folder."""
     return SHIPPED_TEACHERS.get(str(spec), Path(spec))
+
+
+# What a model specification may be, in the order they are recognised (`model_kind`).
+MODEL_KINDS = (
+    "shipped teacher ('default', 'tiny')",
+    f"pretrained base ({', '.join(repr(b) for b in BASE_MODELS)})",
+    "GGUF file",
+    "checkpoint or Hugging Face folder",
+)
+
+
+def model_kind(spec: str | Path) -> str:
+    """Which kind of model `spec` names: "shipped", "base", "gguf" or "folder" (the one registry
+    every loader reads)."""
+    if str(spec) in SHIPPED_TEACHERS:
+        return "shipped"
+    if str(spec) in BASE_MODELS:
+        return "base"
+    if Path(spec).suffix.lower() == ".gguf":
+        return "gguf"
+    return "folder"
 
 
 def save_checkpoint(
@@ -117,8 +139,15 @@ def is_adapter_checkpoint(path: str | Path) -> bool:
 
 
 def weights_digest(spec: str | Path) -> str:
-    """Short SHA-256 of a checkpoint's weights file (the adapter's, for a LoRA checkpoint): the
-    cache key of everything derived from it."""
+    """Short SHA-256 of a model's weights file (the adapter's, for a LoRA checkpoint; the GGUF of
+    a base or a GGUF file): the cache key of everything derived from it."""
+    kind = model_kind(spec)
+    if kind == "base":
+        return base_weights_digest(str(spec))
+    if kind == "gguf":
+        if not Path(spec).is_file():
+            raise CheckpointError(f"GGUF file {spec} does not exist")
+        return file_digest(Path(spec))[:16]
     path = resolve(spec)
     name = ADAPTER_WEIGHTS_FILE if is_adapter_checkpoint(path) else WEIGHTS_FILE
     if not (path / name).is_file():
@@ -169,9 +198,8 @@ def load_adapter(path: Path, base, trainable: bool):
     """The base model with the LoRA adapter of checkpoint ``path`` (a ``peft`` model)."""
     from peft import PeftModel
 
-    for name in (ADAPTER_WEIGHTS_FILE, "tokenizer.json"):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} has no {name}")
+    if not (path / ADAPTER_WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"checkpoint {path} has no {ADAPTER_WEIGHTS_FILE}")
     try:
         with (
             warnings.catch_warnings()
@@ -208,14 +236,25 @@ def read_metadata(spec: str | Path) -> dict:
 def load_hf_model(
     spec: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The Hugging Face model and tokenizer of a checkpoint, with clear errors for bad folders.
+    """The Hugging Face model and tokenizer of `spec`: a shipped teacher, a pretrained base by name,
+    a GGUF file, a checkpoint folder (``train``, ``distill``: full weights or a LoRA adapter) or a
+    Hugging Face causal-LM folder (``save_pretrained``), with clear errors for bad ones.
 
     ``sdpa`` is what training uses, so logits reproduce the trained model exactly; the bridge
     loads with ``eager`` attention.
     """
+    kind = model_kind(spec)
+    if kind == "base":
+        return load_base_model(str(spec), dtype=dtype, attn_implementation=attn_implementation)
+    if kind == "gguf":
+        from mistill_lens.models.gguf import load_gguf_hf_model
+
+        return load_gguf_hf_model(spec, dtype=dtype, attn_implementation=attn_implementation)
     path = resolve(spec)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint folder {path} does not exist")
+        raise CheckpointError(
+            f"checkpoint folder {path} does not exist; a model is one of: {'; '.join(MODEL_KINDS)}"
+        )
     if path not in SHIPPED_TEACHERS.values():
         finish_interrupted_commit(path)
     if is_adapter_checkpoint(path):
@@ -225,9 +264,11 @@ def load_hf_model(
         )
         model = load_adapter(path, base, trainable=False).merge_and_unload()
     else:
-        for name in ("config.json", WEIGHTS_FILE, "tokenizer.json"):
+        for name in ("config.json", "tokenizer.json"):
             if not (path / name).is_file():
                 raise CheckpointError(f"checkpoint {path} has no {name}")
+        if not any((path / name).is_file() for name in (WEIGHTS_FILE, SHARDED_WEIGHTS_INDEX)):
+            raise CheckpointError(f"checkpoint {path} has no {WEIGHTS_FILE}")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=attn_implementation
@@ -236,7 +277,11 @@ def load_hf_model(
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded (corrupt or incomplete weights): {err}"
             ) from err
-    tokenizer = load_tokenizer(path)
+    # a LoRA checkpoint may leave its base's tokenizer to the base's package (Gemma's is 33 MB)
+    if is_adapter_checkpoint(path) and not (path / "tokenizer.json").is_file():
+        tokenizer = base_tokenizer(adapter_base_name(path))
+    else:
+        tokenizer = load_tokenizer(path)
     embedding_rows = model.get_input_embeddings().weight.shape[0]
     if embedding_rows != len(tokenizer):
         raise CheckpointError(
