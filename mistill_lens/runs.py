@@ -37,15 +37,12 @@ def _describe(entries: list[str], limit: int = 6) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-def claim_run_dir(
+def check_run_dir(
     path: str | Path, kind: str, recognise_legacy: Callable[[Path], bool] | None = None
-) -> Path:
-    """The folder ``path`` as a run folder of command ``kind``, created and marked if new or empty.
-
-    An existing folder is accepted when its marker names the same ``kind`` (a rerun resumes), or,
-    for folders written before markers existed, when ``recognise_legacy(path)`` says it holds
-    such a run (it is then marked). Raises :class:`OutputError` otherwise.
-    """
+) -> bool:
+    """Raise :class:`OutputError` where :func:`claim_run_dir` would refuse ``path``, writing
+    nothing (so a command can refuse a bad folder before any work and claim it only once the
+    work can start). True when the folder is already marked as a ``kind`` run."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputError(
@@ -60,7 +57,7 @@ def claim_run_dir(
                 f"output folder {path} holds a `{recorded}` run, not a `{kind}` run; "
                 "choose a new or empty folder"
             )
-        return path
+        return True
     if path.is_dir():
         entries = sorted(p.name for p in path.iterdir())
         if entries and not (recognise_legacy is not None and recognise_legacy(path)):
@@ -69,6 +66,21 @@ def claim_run_dir(
                 f"{_describe(entries)}); choose a new or empty folder: mistill-lens only writes into "
                 "folders it created"
             )
+    return False
+
+
+def claim_run_dir(
+    path: str | Path, kind: str, recognise_legacy: Callable[[Path], bool] | None = None
+) -> Path:
+    """The folder ``path`` as a run folder of command ``kind``, created and marked if new or empty.
+
+    An existing folder is accepted when its marker names the same ``kind`` (a rerun resumes), or,
+    for folders written before markers existed, when ``recognise_legacy(path)`` says it holds
+    such a run (it is then marked). Raises :class:`OutputError` otherwise.
+    """
+    path = Path(path)
+    if check_run_dir(path, kind, recognise_legacy):
+        return path
     path.mkdir(parents=True, exist_ok=True)
     marker.write_text(
         json.dumps(

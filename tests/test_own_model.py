@@ -108,3 +108,33 @@ def test_a_pretrained_base_without_your_examples_is_refused_before_any_folder(tm
     with pytest.raises(SystemExit):
         cli.main(["characterize", "--model", "gemma3", "--out", str(tmp_path / "char")])
     assert not (tmp_path / "char").exists()
+
+
+def test_a_k_beyond_the_models_context_is_refused_before_any_folder(tmp_path):
+    from mistill_lens.models.checkpoints import load_model
+    from mistill_lens.task.characterize import largest_fitting_k, longest_example
+    from mistill_lens.task.examples import generate_examples
+
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "characterize",
+                "--model",
+                "tiny",
+                "--k",
+                "200",
+                "--n",
+                "2",
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+    assert not (tmp_path / "c").exists()
+    bridge, tokenizer = load_model("tiny")
+    task = {"universe_size": 12536, "k": 200, "max_mentions": 4}
+    fitting = largest_fitting_k(bridge.cfg.n_ctx, tokenizer, 4, 0, "heldout", task)
+    longest = {
+        k: longest_example(generate_examples(4, 0, "heldout", **{**task, "k": k}), tokenizer)
+        for k in (fitting, fitting + 1)
+    }
+    assert longest[fitting] <= bridge.cfg.n_ctx < longest[fitting + 1]  # the largest that fits

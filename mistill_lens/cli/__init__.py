@@ -186,7 +186,7 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> None:
 
 def cmd_characterize(args: argparse.Namespace) -> dict:
     from mistill_lens.cli import characterize
-    from mistill_lens.lens.outputs import claim_characterize_dir
+    from mistill_lens.lens.outputs import check_characterize_dir
     from mistill_lens.models.checkpoints import model_kind, read_metadata
 
     if args.reference and not args.examples:
@@ -200,7 +200,8 @@ def cmd_characterize(args: argparse.Namespace) -> dict:
             "give your own task's events with --examples (docs/your-own-task.md), or a model "
             "trained on the task (default, tiny, a train or distill folder)"
         )
-    claim_characterize_dir(args.out)  # refused up front, before the model loads
+    # refused up front, before the model loads; claimed once the run can start
+    check_characterize_dir(args.out)
     if args.examples:
         return characterize.run_examples(args)
     if args.model == "smollm2":

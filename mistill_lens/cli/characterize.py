@@ -58,6 +58,7 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     examples, reference = task_examples(
         args.n or DEFAULT_N, args.seed, args.split, task_config, args.n_reference
     )
+    check_k_fits(bridge.cfg.n_ctx, tokenizer, examples + reference, args, task_config)
     provenance = {
         "command": _command(),
         "model": str(args.model),
@@ -69,6 +70,26 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
         bridge, tokenizer, examples, reference, _config(args), sweep_dir=out, provenance=provenance
     )
     return _finish(result, out)
+
+
+def check_k_fits(n_ctx, tokenizer, examples, args, task_config) -> None:
+    """Refuse, before any folder is written, a K whose examples exceed the model's positions,
+    naming the largest K that fits."""
+    from mistill_lens.task.characterize import largest_fitting_k, longest_example
+
+    longest = longest_example(examples, tokenizer)
+    if longest <= n_ctx:
+        return
+    fitting = largest_fitting_k(n_ctx, tokenizer, len(examples), args.seed, args.split, task_config)
+    raise ValueError(
+        f"--k {task_config['k']}: the longest example is {longest} tokens and the model reads "
+        f"{n_ctx} positions; "
+        + (
+            f"the largest K whose examples fit is {fitting}"
+            if fitting is not None
+            else "not even the smallest K fits: lower --max-mentions"
+        )
+    )
 
 
 def run_examples(args: argparse.Namespace) -> dict:

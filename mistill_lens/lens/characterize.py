@@ -86,6 +86,18 @@ def encode(
     ]
 
 
+def check_context(model: HookedModel, encoded: Sequence[EncodedExample], what: str) -> None:
+    """Every example fits the model's positions; else a ValueError naming the longest one."""
+    longest = max(encoded, key=lambda x: len(x.tokens), default=None)
+    if longest is not None and len(longest.tokens) > model.cfg.n_ctx:
+        too_long = sum(len(x.tokens) > model.cfg.n_ctx for x in encoded)
+        raise ValueError(
+            f"{too_long} of {len(encoded)} {what} are longer than the model's {model.cfg.n_ctx} "
+            f"positions (the longest, example {longest.example_id}, is {len(longest.tokens)} "
+            "tokens): give shorter examples or a model with a longer context"
+        )
+
+
 def reference_means(
     model: HookedModel,
     reference: Sequence[EncodedExample],
@@ -209,6 +221,8 @@ def _characterize(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded = encode(examples, tokenizer)
     reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
+    check_context(model, encoded, "examples")
+    check_context(model, reference, "reference examples")
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 
     every_event = make_event_batch(encoded, pad_token_id=pad)

@@ -23,7 +23,7 @@ from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.results import Characterization, CharacterizeConfig, ExampleView
 from mistill_lens.lens.sweep import read_table
-from mistill_lens.runs import claim_run_dir, legacy_run
+from mistill_lens.runs import check_run_dir, claim_run_dir, legacy_run
 
 RUN_KIND = "characterize"
 SUMMARY = "summary.json"
@@ -45,20 +45,25 @@ DERIVED_FILES = (
 
 def claim_characterize_dir(out_dir: str | Path) -> Path:
     """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
-    return claim_run_dir(
-        out_dir,
-        RUN_KIND,
-        legacy_run(
-            [SUMMARY],
-            [
-                *RESUMABLE_FILES,
-                *DERIVED_FILES,
-                *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
-                "generations.jsonl",
-                "reference_generations.jsonl",
-            ],
-        ),
-    )
+    return claim_run_dir(out_dir, RUN_KIND, _legacy_characterization)
+
+
+def check_characterize_dir(out_dir: str | Path) -> None:
+    """Refuse `out_dir` where :func:`claim_characterize_dir` would, writing nothing."""
+    check_run_dir(out_dir, RUN_KIND, _legacy_characterization)
+
+
+# A characterisation folder written before run markers existed: recognised by its files.
+_legacy_characterization = legacy_run(
+    [SUMMARY],
+    [
+        *RESUMABLE_FILES,
+        *DERIVED_FILES,
+        *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
+        "generations.jsonl",
+        "reference_generations.jsonl",
+    ],
+)
 
 
 def prepare_output(out_dir: str | Path) -> Path:

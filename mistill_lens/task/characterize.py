@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
+from mistill_lens.lens.events import events_from_spans
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.task.examples import Example, generate_examples, near_miss_named
 
@@ -30,6 +31,31 @@ def task_examples(
         n if n_reference is None else n_reference, seed + 1, split, **task_config
     )
     return examples, reference
+
+
+def longest_example(examples: Sequence[Example], tokenizer: Tokenizer) -> int:
+    """Tokens of the longest example (prompt and output, as the characterisation reads them)."""
+    return max(len(events_from_spans(e, tokenizer, i).tokens) for i, e in enumerate(examples))
+
+
+def largest_fitting_k(
+    n_ctx: int, tokenizer: Tokenizer, n: int, seed: int, split: str, task_config: Mapping[str, Any]
+) -> int | None:
+    """The largest K at which the first `n` examples of (seed, split) fit `n_ctx` tokens (the
+    options in `task_config` otherwise unchanged); None when not even the smallest K fits."""
+    low = 3 * task_config["max_mentions"] + 1  # the smallest K the examples allow
+
+    def fits(k: int) -> bool:
+        examples = generate_examples(n, seed, split, **{**task_config, "k": k})
+        return longest_example(examples, tokenizer) <= n_ctx
+
+    if not fits(low):
+        return None
+    high = task_config["k"]  # known not to fit
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def characterize_task(
