@@ -82,7 +82,7 @@ def claim_run_dir(
     if check_run_dir(path, kind, recognise_legacy):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    marker.write_text(
+    (path / MARKER_FILE).write_text(
         json.dumps(
             {
                 "kind": kind,

@@ -668,6 +668,8 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     assert {"code_f1", "near_miss_acc", "causal_recovery", "causal_recovery_median"} <= set(result)
     assert result["causal_recovery_median"] == median_recovery(tmp_path / "s0" / "characterization")
     assert result["z_min"] == 1.5  # the student's circuit threshold is recorded with its recovery
+    controls = result["recovery_controls"]  # None where the student has no near-miss circuit
+    assert controls is None or {"found", "random_mean", "p_found_vs_random"} <= set(controls)
     log = torch.load(tmp_path / "s0" / training_module.TRAINING_STATE_FILE, weights_only=False)[
         "log"
     ]["attention"]

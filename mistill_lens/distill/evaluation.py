@@ -10,16 +10,27 @@ clean margin, so one event with a barely positive margin can dominate that mean 
 -10); ``causal_recovery_median`` takes the median over events of each measure instead.
 A student whose characterisation selects no heads carries none of it (recovery 0); one that
 decides no gold event its way has no recovery to measure (None).
+
+Recovery is read so that it can fail (`recovery_controls`): the found near-miss circuit's mean
+necessity beside that of random head sets of its size (its chance level, with a p-value) and
+that of its heads that were not supervised. MISTILL trains the supervised heads to attend at
+exactly these events, so those heads can move the margin without deciding anything.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from mistill_lens import task
+from mistill_lens.lens.backends import choose_backend
+from mistill_lens.lens.characterize import REFERENCE_ID_OFFSET, encode, reference_means
+from mistill_lens.lens.circuits import necessity
+from mistill_lens.lens.events import decided_rows, kind_mask, make_event_batch
+from mistill_lens.lens.hooks import Head, all_heads
 from mistill_lens.lens.outputs import (
     SUMMARY,
     prepare_output,
@@ -27,6 +38,7 @@ from mistill_lens.lens.outputs import (
     write_characterization,
 )
 from mistill_lens.lens.results import CharacterizeConfig
+from mistill_lens.lens.sweep import clean_margins
 from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate
@@ -56,6 +68,66 @@ def causal_recovery(measures_by_kind: Mapping[str, dict], kind: str = "near_miss
         "recovery_knock_in": knock_in,
         "n_events": measures["n_events"],
         "near_miss_circuit": measures.get("circuit", []),
+    }
+
+
+N_RANDOM_SETS = 50  # random head sets of the found circuit's size: the chance level of recovery
+
+
+def recovery_controls(
+    model,
+    tokenizer,
+    examples,
+    reference,
+    circuit: Sequence[Head],
+    supervised: Sequence[Head],
+    config: CharacterizeConfig,
+    kind: str = "near_miss",
+    n_random: int = N_RANDOM_SETS,
+) -> dict:
+    """Whether the found circuit's recovery (mean necessity over the decided `kind` events) means
+    anything: the same measure for `n_random` random head sets of its size (seeded by
+    ``config.seed``; p = the share of them at least as high, with one added to both counts), and
+    for the found heads that were not supervised (MISTILL trains the supervised heads to attend at
+    exactly these events, so they can move the margin without deciding anything)."""
+    model, _ = choose_backend(model, config.engine)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    encoded = encode(examples, tokenizer)
+    means = reference_means(
+        model,
+        encode(reference, tokenizer, first_id=REFERENCE_ID_OFFSET),
+        config.null_per_event,
+        config.seed,
+        pad,
+    )
+    every_event = make_event_batch(encoded, pad_token_id=pad)
+    batch = every_event.select(decided_rows(clean_margins(model, every_event), config.min_margin))
+    batch = batch.select(kind_mask(batch.kinds, kind).nonzero().flatten())
+    if not circuit or len(batch) == 0:
+        return {"recovery_controls": None}
+    clean = clean_margins(model, batch)
+
+    def recovery(heads) -> float:
+        return float(necessity(model, batch, means, heads, clean).mean())
+
+    rng = random.Random(config.seed)
+    every_head = all_heads(model)
+    found = recovery(circuit)
+    chance = [recovery(rng.sample(every_head, len(circuit))) for _ in range(n_random)]
+    unsupervised = [head for head in circuit if head not in set(map(tuple, supervised))]
+    return {
+        "recovery_controls": {
+            "kind": kind,
+            "n_events": len(batch),
+            "circuit": [list(h) for h in circuit],
+            "found": found,
+            "random_mean": sum(chance) / len(chance),
+            "random_95th": sorted(chance)[int(0.95 * (len(chance) - 1))],
+            "n_random": n_random,
+            "p_found_vs_random": (1 + sum(c >= found for c in chance)) / (1 + len(chance)),
+            "unsupervised_heads": [list(h) for h in unsupervised],
+            "unsupervised": recovery(unsupervised) if unsupervised else None,
+        }
     }
 
 
@@ -106,6 +178,18 @@ def evaluate_run(
             causal_recovery_median=characterization.median_recovery(),
             circuit=[list(h) for h in characterization.circuit],
             warnings=characterization.warnings,
+        )
+        supervised = read_metadata(run_dir).get("student_heads", [])
+        result.update(
+            recovery_controls(
+                bridge,
+                tokenizer,
+                examples,
+                reference,
+                characterization.circuits.get("near_miss", []),
+                [tuple(h) for h in supervised],
+                config,
+            )
         )
     except ValueError as err:  # e.g. the student decides no gold event its way
         result.update(
