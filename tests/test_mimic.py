@@ -121,3 +121,20 @@ def test_events_come_from_the_models_own_output(tmp_path):
     assert generated[0].prompt == example.prompt and generated[0].id == example.id
     for event in generated[0].events:
         assert generated[0].text[event.start : event.end] == event.chosen
+
+
+def test_empty_and_malformed_values_are_named_never_read_as_nan(tmp_path):
+    # an empty note is left out, not read as the text "nan"
+    notes = NOTES.replace('"Readmitted with pneumonia."', '""')
+    admissions = read_admissions(write_copy(tmp_path / "empty_note", notes=notes))
+    assert all(a.note.strip() and a.note != "nan" for a in admissions)
+    assert 20002 not in {a.hadm_id for a in admissions}
+    # an empty code is an error naming file, row and column, not the code "NAN"
+    blank_code = DIAGNOSES.replace("10001,20002,1,J189,10", "10001,20002,1,,10")
+    with pytest.raises(ValueError, match=r"diagnoses_icd.csv.gz, data row 4: column icd_code"):
+        read_admissions(write_copy(tmp_path / "blank_code", diagnoses=blank_code))
+    bad_version = DIAGNOSES.replace("10002,20003,1,E119,10", "10002,20003,1,E119,ten")
+    with pytest.raises(ValueError, match=r"data row 5: column icd_version holds 'ten'"):
+        read_admissions(write_copy(tmp_path / "bad_version", diagnoses=bad_version))
+    with pytest.raises(ValueError, match=r"discharge.csv.gz is empty or not a readable CSV"):
+        read_admissions(write_copy(tmp_path / "zero", notes=""))

@@ -173,6 +173,18 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     assert read.summary() == summary
     assert read.circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
     assert median_recovery(tmp_path, kind="within") == read.median_recovery("within")
+    # a damaged summary is named with what is wrong, never a bare JSON or key error
+    import shutil
+
+    damaged = tmp_path.parent / "damaged"
+    shutil.copytree(tmp_path, damaged)
+    text = (damaged / "summary.json").read_text()
+    (damaged / "summary.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"damaged/summary.json is not readable JSON"):
+        read_characterization(damaged)
+    (damaged / "summary.json").write_text('{"circuit": []}')
+    with pytest.raises(ValueError, match=r"summary.json lacks \['config'"):
+        read_characterization(damaged)
     # the token-labelled view: the chosen head's row is a distribution over the example's tokens
     # up to the query, and every margin is the one the sweep started from
     view = read.example

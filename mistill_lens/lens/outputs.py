@@ -162,7 +162,7 @@ def read_characterization(out_dir: str | Path) -> Characterization:
             f"{out_dir} holds no finished characterisation (no {SUMMARY}): run "
             "`mistill-lens characterize` into it to completion"
         )
-    summary = json.loads((out_dir / SUMMARY).read_text())
+    summary = _read_summary(out_dir / SUMMARY)
     known = {f.name for f in fields(CharacterizeConfig)}
     config = CharacterizeConfig(**{k: v for k, v in summary["config"].items() if k in known})
     per_kind = {k: v for k, v in summary.items() if isinstance(v, dict) and "circuit" in v}
@@ -202,6 +202,36 @@ def read_characterization(out_dir: str | Path) -> Characterization:
     own = result.summary()  # without provenance: what is left in the file is the caller's
     result.provenance = {k: v for k, v in summary.items() if k not in own}
     return result
+
+
+# What read_characterization needs from summary.json beyond the per-kind entries.
+SUMMARY_KEYS = (
+    "config",
+    "circuit",
+    "n_null_events",
+    "elicitation",
+    "n_examples",
+    "n_events",
+    "warnings",
+)
+
+
+def _read_summary(path: Path) -> dict:
+    """summary.json, or an error naming the file and what is wrong with it."""
+    try:
+        summary = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{path} is not readable JSON ({err}): the characterisation was cut short or the file "
+            "was edited; run `mistill-lens characterize` into the folder again"
+        ) from None
+    missing = [key for key in SUMMARY_KEYS if not isinstance(summary, dict) or key not in summary]
+    if missing:
+        raise ValueError(
+            f"{path} lacks {missing}: it is not a characterisation's summary (or an incomplete "
+            "one); run `mistill-lens characterize` into the folder again"
+        )
+    return summary
 
 
 def _read_calibration(

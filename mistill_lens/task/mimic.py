@@ -82,6 +82,16 @@ def read_admissions(root: str | Path, limit: int | None = None) -> list[Admissio
     root = Path(root)
     notes = _read(root / NOTES, NOTE_COLUMNS, usecols=["subject_id", "hadm_id", "note_seq", "text"])
     diagnoses = _read(root / DIAGNOSES, DIAGNOSIS_COLUMNS)
+    _require_values(root / NOTES, notes, ["subject_id", "hadm_id", "note_seq"], numeric=True)
+    _require_values(root / DIAGNOSES, diagnoses, ["subject_id", "hadm_id", "seq_num"], numeric=True)
+    _require_values(root / DIAGNOSES, diagnoses, ["icd_version"], numeric=True)
+    _require_values(root / DIAGNOSES, diagnoses, ["icd_code"], numeric=False)
+    for frame, columns in (
+        (notes, ["subject_id", "hadm_id", "note_seq"]),
+        (diagnoses, ["subject_id", "hadm_id", "seq_num", "icd_version"]),
+    ):
+        frame[columns] = frame[columns].astype(int)  # checked above: numbers sort as numbers
+    notes = notes[notes.text.str.strip() != ""]  # an empty note says nothing to code from
     diagnoses = diagnoses[diagnoses.icd_version.astype(int) == 10]
     codes = {
         int(hadm): tuple(dict.fromkeys(dotted(c) for c in rows.sort_values("seq_num").icd_code))
@@ -115,11 +125,36 @@ def _read(path: Path, columns: Sequence[str], usecols: Sequence[str] | None = No
             f"{path} not found: point `root` at your MIMIC-IV copy, the folder holding "
             f"{NOTES} (MIMIC-IV-Note) and {DIAGNOSES} (MIMIC-IV hosp)"
         )
-    header = list(pd.read_csv(path, nrows=0).columns)
+    try:
+        header = list(pd.read_csv(path, nrows=0).columns)
+    except (pd.errors.EmptyDataError, UnicodeDecodeError, OSError, EOFError) as err:
+        raise ValueError(
+            f"{path} is empty or not a readable CSV ({err}): replace it with the file from your "
+            "MIMIC-IV copy"
+        ) from None
     missing = [c for c in columns if c not in header]
     if missing:
         raise ValueError(f"{path} lacks the MIMIC-IV columns {missing} (it has {header})")
-    return pd.read_csv(path, usecols=list(usecols or columns), dtype={"icd_code": str})
+    # Everything as text, no missing-value guessing: an empty note must stay "" and a code "NA"
+    # must never become the float NaN (read back as the string "nan" / code "NAN").
+    return pd.read_csv(
+        path, usecols=list(usecols or columns), dtype=str, keep_default_na=False, na_filter=False
+    )
+
+
+def _require_values(path: Path, frame: pd.DataFrame, columns: Sequence[str], numeric: bool) -> None:
+    """Every row holds a value (an integer where `numeric`) in `columns`; else a ValueError naming
+    the file, the data row (1 = the first after the header), the column and the value."""
+    for column in columns:
+        values = frame[column].str.strip()
+        bad = values == "" if not numeric else ~values.str.fullmatch(r"-?\d+")
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise ValueError(
+                f"{path}, data row {row + 1}: column {column} holds {frame[column].iloc[row]!r}, "
+                f"not {'an integer' if numeric else 'a value'} ({int(bad.sum())} such rows): "
+                "check the file against your MIMIC-IV copy"
+            )
 
 
 def split_of(admission: Admission, seed: int = 0) -> str:
