@@ -438,6 +438,35 @@ def test_mistill_without_teacher_events_is_refused_and_eventless_batches_log_no_
     assert any("most batches hold none" in w for w in metadata["warnings"])
 
 
+def test_each_minimum_count_warns_below_it_and_not_at_it(planted):
+    from mistill_lens.lens.characterize import characterize
+
+    bridge, tokenizer = planted
+    examples, reference = planted_examples(12, seed=0), planted_examples(20, seed=1)
+    base = CharacterizeConfig(seed=0, progress=False, curve_points=2, elicitation_kind="region")
+    found = characterize(bridge, tokenizer, examples, reference, base)
+    counts = {
+        "min_events_per_kind": min(found.measures()[k]["n_events"] for k in found.kinds),
+        "min_null_events": found.n_null_events,
+        "min_elicitation_examples": found.elicitation["n_examples"],
+    }
+    phrases = {
+        "min_events_per_kind": "events (fewer than",
+        "min_null_events": "null events (fewer than",
+        "min_elicitation_examples": "early elicitation rests on",
+    }
+    for option, count in counts.items():
+        at = characterize(bridge, tokenizer, examples, reference, replace(base, **{option: count}))
+        above = replace(base, **{option: count + 1})
+        below = characterize(bridge, tokenizer, examples, reference, above)
+
+        def fired(result):
+            return [w for w in result.warnings if phrases[option] in w and str(count + 1) in w]
+
+        assert not fired(at), (option, at.warnings)
+        assert fired(below), (option, below.warnings)
+
+
 def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_path):
     bridge, tokenizer = planted
     config = CharacterizeConfig(seed=0, progress=False, curve_points=2, elicitation_kind="region")

@@ -302,6 +302,11 @@ def _characterize(
         for kind in dict.fromkeys(batch.kinds)
         if batch.kinds.count(kind) < config.min_events_per_kind
     ]
+    if len(nulls) < config.min_null_events:
+        warned.append(
+            f"only {len(nulls)} null events (fewer than {config.min_null_events}): every head's z "
+            "divides by their spread, so the z values and the circuit rest on very few"
+        )
     if not circuit:
         warned.append(
             f"no head passes z >= {config.z_min} with an effect above null of at least "
@@ -342,6 +347,12 @@ def _characterize(
     elicitation, curve = _elicitation(model, batch, circuits, region_candidates, config)
     if curve is None and config.elicitation_kind is not None:
         warned.append(f"early elicitation skipped: {elicitation['skipped']}")
+    elif curve is not None and elicitation["n_examples"] < config.min_elicitation_examples:
+        warned.append(
+            f"early elicitation rests on {elicitation['n_examples']} examples with a decided "
+            f"{config.elicitation_kind} event (fewer than {config.min_elicitation_examples}): "
+            "its lead and early heads are read from very few"
+        )
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
     return Characterization(
@@ -424,6 +435,7 @@ def _elicitation(
     candidates = region_candidates or sorted(
         {int(t) for t in regions.chosen} | {int(t) for t in regions.contrast[:, 0]}
     )
+    n_examples = len({e.example_id for e in regions.events})
     curve = elicitation_curve(model, regions, candidates, config.ks, seed=config.seed)
     lead = {
         method: elicitation_lead(curve, method, config.elicitation_threshold)
@@ -433,13 +445,14 @@ def _elicitation(
     k_early = max(2, lead["probe"])
     at_k = curve[(curve.method == "probe") & (curve.k == k_early)]
     if at_k.empty:
-        return {"lead": lead, "curve": "elicitation.csv"}, curve
+        return {"lead": lead, "curve": "elicitation.csv", "n_examples": n_examples}, curve
     stage = int(at_k.loc[at_k["accuracy"].idxmax(), "stage"])
     drops = carrying_heads(model, regions, k_early, stage, seed=config.seed)
     early = [h for h in top_heads(drops, max(1, len(late_heads))) if float(drops[h]) > 0]
     union = set(early) | set(late_heads)
     return {
         "lead": lead,
+        "n_examples": n_examples,
         "k_early": k_early,
         "stage": stage,
         "stage_name": at_k.loc[at_k["accuracy"].idxmax(), "stage_name"],

@@ -50,8 +50,12 @@ class CharacterizeConfig:
     # A sweep table in the output folder computed from other inputs (model, events, reference
     # means): "error" refuses to resume it, "recompute" discards it and sweeps again (recorded).
     stale: str = "error"
-    # Fewer decided events of a kind than this: its measures are reported with a warning.
-    min_events_per_kind: int = 5
+    # The minimum-count rule: below each count a number is still reported, with a recorded
+    # warning. Decided events of a kind (its circuit measures), null events (every head's z
+    # divides by their spread), examples with a decided elicitation event (the readout's lead).
+    min_events_per_kind: int = 20
+    min_null_events: int = 30
+    min_elicitation_examples: int = 10
     # The event kind whose early readout is measured (the ICD task: "region"); None skips it.
     elicitation_kind: str | None = None
     # Run the interventions on the InterventionEngine (exact, at decode cost); False: one full
@@ -84,6 +88,8 @@ class CharacterizeConfig:
             curve_points=options.positive,
             sweep_top=options.positive,
             min_events_per_kind=options.non_negative,
+            min_null_events=options.non_negative,
+            min_elicitation_examples=options.non_negative,
             faithful_pool=options.positive,
             faithful_max_size=options.positive,
         )
