@@ -18,13 +18,12 @@ def _add_task_options(
     parser: argparse.ArgumentParser, *, defaults_from_model: bool = False
 ) -> None:
     """--universe-size, --k, --max-mentions; for a trained model they default to its training values."""
-    from mistill_lens import task
-    from mistill_lens.task.icd import DEFAULT_UNIVERSE_SIZE
+    from mistill_lens.task_defaults import DEFAULT_K, DEFAULT_MAX_MENTIONS, DEFAULT_UNIVERSE_SIZE
 
     options = (
         ("--universe-size", DEFAULT_UNIVERSE_SIZE, "codes in the label universe, up to 12536"),
-        ("--k", task.DEFAULT_K, "candidates in context, at least 3 x --max-mentions + 1"),
-        ("--max-mentions", task.DEFAULT_MAX_MENTIONS, "most conditions per summary, 1-4"),
+        ("--k", DEFAULT_K, "candidates in context, at least 3 x --max-mentions + 1"),
+        ("--max-mentions", DEFAULT_MAX_MENTIONS, "most conditions per summary, 1-4"),
     )
     for flag, default, description in options:
         if defaults_from_model:
@@ -228,7 +227,7 @@ class DefaultsShown(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     from mistill_lens.distill import FAMILIES
-    from mistill_lens.task.examples import SPLITS
+    from mistill_lens.task_defaults import SPLITS
 
     parser = argparse.ArgumentParser(
         prog="mistill-lens",

@@ -30,11 +30,9 @@ from mistill_lens.task.icd import (
     region_of,
     suffix_of,
 )
+from mistill_lens.task_defaults import DEFAULT_K, DEFAULT_MAX_MENTIONS, SPLITS  # noqa: F401
 
-SPLITS = ("train", "validation", "heldout")
 EVENT_KINDS = ("region", "within", "near_miss")
-DEFAULT_K = 64
-DEFAULT_MAX_MENTIONS = 4
 
 PROMPT_HEADER = "Summary: "
 CANDIDATES_HEADER = "\nCandidates:\n"

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import simple_icd_10_cm as cm
 
-# The whole eligible list: context length depends on K, not on the universe, and a large
-# universe leaves a model nothing to memorise but the selection itself.
-DEFAULT_UNIVERSE_SIZE = 12536
+from mistill_lens.task_defaults import DEFAULT_UNIVERSE_SIZE  # noqa: F401  (the task's default)
+
 MAX_SUFFIX_LEN = 2
 
 # "(E08.-)", "(P70.2)", "(O24.4-)", "(I22.-)": a code or code prefix inside parentheses.
