@@ -96,6 +96,12 @@ def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
 
 def test_bad_example_files_name_the_line(tmp_path, capsys):
     rows = short_answer_examples(3, seed=0)
+    latin1 = tmp_path / "latin1.jsonl"
+    lines = [json.dumps(row) for row in rows]
+    lines[2] = lines[2].replace('"id": ', '"note": "caf\u00e9", "id": ')
+    latin1.write_bytes(("\n".join(lines[:2]) + "\n").encode() + lines[2].encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl, line 3: not UTF-8 \(byte 0xe9"):
+        read_examples(latin1)
     rows[1]["events"][0]["chosen"] = "R9"
     path = write(rows, tmp_path / "bad.jsonl")
     with pytest.raises(

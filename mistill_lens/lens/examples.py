@@ -104,8 +104,15 @@ def read_jsonl(path: str | Path, parse: Callable[[Any], T]) -> list[T]:
     if not path.is_file():
         raise FileNotFoundError(f"examples file {path} does not exist")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so an undecodable byte names its line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}, line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1}): save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
