@@ -102,6 +102,18 @@ def test_bad_example_files_name_the_line(tmp_path, capsys):
     latin1.write_bytes(("\n".join(lines[:2]) + "\n").encode() + lines[2].encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl, line 3: not UTF-8 \(byte 0xe9"):
         read_examples(latin1)
+    for field, value, message in (
+        ("kind", "null", r"line 1: event 0: kind must be a non-empty name other than 'null'"),
+        (
+            "contrast",
+            rows[0]["events"][0]["chosen"],
+            r"line 1: event 0: contrast .* must be a text",
+        ),
+    ):
+        bad = [json.loads(json.dumps(row)) for row in rows]
+        bad[0]["events"][0][field] = value
+        with pytest.raises(ValueError, match=message):
+            read_examples(write(bad, tmp_path / "bad_field.jsonl"))
     rows[1]["events"][0]["chosen"] = "R9"
     path = write(rows, tmp_path / "bad.jsonl")
     with pytest.raises(

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from mistill_lens.lens.events import NULL_KIND
+
 T = TypeVar("T")
 
 REQUIRED_EVENT_FIELDS = ("kind", "start", "end", "chosen", "contrast")
@@ -82,6 +84,17 @@ def _example(row: Any) -> SpanExample:
             raise ValueError(
                 f"event {index}: (prompt + output)[{start}:{end}] is {text[start:end]!r}, "
                 f"not its chosen text {event['chosen']!r}"
+            )
+        kind = event["kind"]
+        if not isinstance(kind, str) or not kind or kind == NULL_KIND:
+            raise ValueError(
+                f"event {index}: kind must be a non-empty name other than {NULL_KIND!r} (reserved "
+                f"for null events), got {kind!r}"
+            )
+        if not isinstance(event["contrast"], str) or event["contrast"] == event["chosen"]:
+            raise ValueError(
+                f"event {index}: contrast {event['contrast']!r} must be a text other than the "
+                f"chosen {event['chosen']!r}: the decision is where they differ"
             )
         events.append(
             SpanEvent(
