@@ -56,7 +56,7 @@ def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
     model_dir = save_checkpoint(
         planted_hf_model(), planted_tokenizer(tmp_path / "tok"), tmp_path / "model", {}
     )
-    examples = write(short_answer_examples(24, seed=0), tmp_path / "questions.jsonl")
+    examples = write(short_answer_examples(32, seed=0), tmp_path / "questions.jsonl")
     reference = write(short_answer_examples(40, seed=1), tmp_path / "reference.jsonl")
     assert {e.kind for x in read_examples(examples) for e in x.events} == {"answer"}
     cli.main(
@@ -77,7 +77,8 @@ def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
     )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((tmp_path / "char" / "summary.json").read_text())
-    assert summary["answer"]["n_events"] == 24 and summary["n_null_events"] == 24
+    # 32 events and nulls: above the minimum counts (20 per kind, 30 null), so no warning
+    assert summary["answer"]["n_events"] == 32 and summary["n_null_events"] == 32
     # the deciding head is found, the previous-token head (as strong on null tokens) is discounted
     assert printed["circuit"] == summary["circuit"] == [list(DECIDER)]
     assert (
