@@ -30,7 +30,7 @@ from mistill_lens.lens.fingerprint import (
 from mistill_lens.lens.model_types import Tokenizer
 from mistill_lens.models.checkpoints import load_hf_model, weights_digest
 from mistill_lens.runs import file_digest
-from mistill_lens.training.loop import encode
+from mistill_lens.training.loop import encode, target_logits
 
 
 @torch.no_grad()
@@ -39,11 +39,8 @@ def reproduces_verbatim(model, tokenizer: Tokenizer, example: task.Example) -> b
     and stops: its teacher-forced argmax equals the gold token at every output position. The
     unembedding runs only at those positions."""
     ids, targets = encode(tokenizer, example.prompt, example.output)
-    ids_t = torch.tensor([ids])
-    hidden = model.base_model(input_ids=ids_t).last_hidden_state[0, :-1]
-    predicts_output = torch.tensor(targets[1:])
-    logits = model.get_output_embeddings()(hidden[predicts_output])
-    return bool((logits.argmax(dim=-1) == ids_t[0, 1:][predicts_output]).all())
+    logits, gold = target_logits(model, torch.tensor([ids]), torch.tensor([targets]))
+    return bool((logits.argmax(dim=-1) == gold).all())
 
 
 def teacher_traces(

@@ -280,6 +280,24 @@ def collate(
     return ids, attention, targets
 
 
+def target_logits(
+    model: PreTrainedModel,
+    ids: Int[torch.Tensor, "batch pos"],
+    targets: Bool[torch.Tensor, "batch pos"],
+    attention: Bool[torch.Tensor, "batch pos"] | None = None,
+) -> tuple[Float[torch.Tensor, "target vocab"], Int[torch.Tensor, " target"]]:
+    """The logits that predict each target token, and those tokens, in row order. The
+    unembedding runs only where there is a target (a full-vocabulary row per position would
+    be 262,144 columns for Gemma)."""
+    if hasattr(model, "get_base_model"):  # a peft model: its adapters sit inside the wrapped model
+        model = model.get_base_model()
+    mask = None if attention is None else attention.long()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    predicts_target = targets[:, 1:]
+    logits = model.get_output_embeddings()(hidden[:, :-1][predicts_target])
+    return logits, ids[:, 1:][predicts_target]
+
+
 def output_loss(
     model: PreTrainedModel,
     ids: Int[torch.Tensor, "batch pos"],
@@ -287,19 +305,11 @@ def output_loss(
     targets: Bool[torch.Tensor, "batch pos"],
     weights: Float[torch.Tensor, "batch pos"] | None = None,
 ) -> torch.Tensor:
-    """Next-token cross-entropy over target tokens (weighted mean if ``weights`` is given).
-
-    The unembedding runs only where there is a target.
-    """
-    if hasattr(model, "get_base_model"):  # a peft model: its adapters sit inside the wrapped model
-        model = model.get_base_model()
-    hidden = model.base_model(input_ids=ids, attention_mask=attention.long()).last_hidden_state
-    predicts_target = targets[:, 1:]
-    logits = model.get_output_embeddings()(hidden[:, :-1][predicts_target])
-    labels = ids[:, 1:][predicts_target]
+    """Next-token cross-entropy over target tokens (weighted mean if ``weights`` is given)."""
+    logits, labels = target_logits(model, ids, targets, attention)
     if weights is None:
         return torch.nn.functional.cross_entropy(logits.float(), labels)
-    token_weights = weights[:, 1:][predicts_target]
+    token_weights = weights[:, 1:][targets[:, 1:]]
     per_token = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
     return (per_token * token_weights).sum() / token_weights.sum()
 
