@@ -12,7 +12,15 @@ from mistill_lens.lens.calibration import calibrate, null_events
 from mistill_lens.lens.circuits import select_circuit
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import make_event_batch
-from mistill_lens.lens.faithfulness import effect_pool, necessity_curve, sufficiency_curve
+from mistill_lens.lens.faithfulness import (
+    BAND_SIZES,
+    band_summary,
+    beyond_chance,
+    effect_pool,
+    necessity_curve,
+    random_band,
+    sufficiency_curve,
+)
 from mistill_lens.lens.hooks import all_heads, run_margins
 
 
@@ -69,6 +77,37 @@ def test_the_z_rule_misses_the_joint_heads_and_the_search_finds_exactly_them(joi
     for heads, value in zip(sufficiency.sets, sufficiency.values):  # normalised: k/4 exactly
         kept = len(set(heads) & set(JOINT_HEADS))
         assert value == pytest.approx(kept / 4, abs=1e-4)
+
+
+def test_random_sets_score_their_planted_share_in_closed_form(joint):
+    """A random set holding j of the four joint heads keeps j/4 of the margin alone (normalised
+    sufficiency) and removes j/4 of it, less the means' own share (necessity): every draw, exactly."""
+    bridge, batch, _, means, drift = joint
+    rows = random_band(InterventionEngine(bridge), batch, means, [1, 4, 8, 500], draws=25, seed=3)
+    planted = {f"L{l}H{h}" for l, h in JOINT_HEADS}
+    assert {r["size"] for r in rows} == {1, 4, 8}  # sizes past the model's heads are dropped
+    assert len(rows) == 2 * 3 * 25
+    hits = []
+    for row in rows:
+        heads = row["heads"].split()
+        assert len(heads) == len(set(heads)) == row["size"]
+        share = len(planted & set(heads)) / 4
+        expected = share if row["measure"] == "sufficiency" else share * (1 - drift)
+        assert row["value"] == pytest.approx(expected, abs=1e-4)
+        hits.append(share)
+    assert 0 < sum(hits)  # some draws hit a planted head, so the check above is not all zeros
+    band = band_summary(rows)
+    assert [(b["measure"], b["size"]) for b in band] == [
+        (m, k) for m in ("necessity", "sufficiency") for k in (1, 4, 8)
+    ]
+    for b in band:
+        assert b["low"] - 1e-9 <= b["mean"] <= b["high"] + 1e-9 and b["draws"] == 25
+    # the planted set beats random sets of its size; a random-looking value does not
+    size_four = [r["value"] for r in rows if r["size"] == 4 and r["measure"] == "sufficiency"]
+    assert beyond_chance(1.0, size_four) == pytest.approx(1 / 26)
+    assert beyond_chance(0.0, size_four) == 1.0
+    with pytest.raises(ValueError, match="draws must be at least 1"):
+        random_band(bridge, batch, means, [1], draws=0)
 
 
 def test_the_search_agrees_on_the_full_forward_and_refuses_meaningless_input(joint):
@@ -134,5 +173,11 @@ def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted,
         assert low <= found["necessity"] <= high
         assert found["n_examples_discovery"] + found["n_examples_validation"] == 20
         assert found["pool_size"] == 6 and found["size"] == len(found["heads"])
+        assert found["random_same_size"]["draws"] == 20
+        total = bridge.cfg.n_layers * bridge.cfg.n_heads  # random sets: of every size that fits
+        assert {b["size"] for b in found["random_band"]} == {k for k in BAND_SIZES if k <= total}
+    # the found sets beat random sets of their size on the validation examples
+    assert faithful["region"]["random_same_size"]["necessity"]["p"] < 0.1
+    assert (tmp_path / "run" / "figures" / "faithfulness.html").is_file()
     assert sorted(map(tuple, faithful["all"]["heads"])) == sorted([DECIDER, GENERIC, WITHIN])
     assert summary["circuit"] == [list(DECIDER), list(WITHIN)]  # the z rule's

@@ -479,6 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(summary.json: faithful); costs a few minutes per kind on the default teacher",
     )
     characterize.add_argument(
+        "--faithful-draws",
+        type=NON_NEGATIVE_INT,
+        default=20,
+        metavar="N",
+        help="with --faithful: N random head sets per size as the baseline band and the found "
+        "set's p-value (default 20; 0: none)",
+    )
+    characterize.add_argument(
         "--no-engine",
         action="store_true",
         help="run every intervention as a full forward (the reference path; slow) instead of on "

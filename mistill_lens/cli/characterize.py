@@ -29,6 +29,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         shards=args.shards,
         engine=not args.no_engine,
         faithful_pool=args.faithful,
+        faithful_random_draws=args.faithful_draws,
     )
     return replace(config, **overrides)
 

@@ -412,6 +412,7 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
             max_size=config.faithful_max_size,
             target=config.faithful_target,
             seed=config.seed,
+            random_draws=config.faithful_random_draws,
         )
     return found
 

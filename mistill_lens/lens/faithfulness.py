@@ -33,10 +33,11 @@ from tqdm.auto import tqdm
 
 from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.hooks import Head, HeadMeans, head_mask, validate_heads
+from mistill_lens.lens.hooks import Head, HeadMeans, head_mask, n_layers_heads, validate_heads
 from mistill_lens.lens.model_types import HookedModel
 
 BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
+BAND_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # set sizes of the random baseline band
 COVERAGE_FLOOR = 0.8  # an example is covered when the set removes at least this share of its margin
 
 
@@ -155,6 +156,89 @@ def sufficiency_curve(
     return FaithfulnessCurve("sufficiency", tuple(sets), tuple(values), len(pool), len(batch))
 
 
+def random_head_sets(
+    n_layers: int, n_heads: int, sizes: Sequence[int], draws: int, seed: int
+) -> list[tuple[Head, ...]]:
+    """`draws` head sets of each size in `sizes`, drawn uniformly without replacement among all
+    heads (seeded), size-major."""
+    generator = torch.Generator().manual_seed(seed)
+    total = n_layers * n_heads
+    return [
+        tuple(
+            sorted(
+                (int(i) // n_heads, int(i) % n_heads)
+                for i in torch.randperm(total, generator=generator)[:size]
+            )
+        )
+        for size in sizes
+        for _ in range(draws)
+    ]
+
+
+def random_band(
+    model: HookedModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    sizes: Sequence[int],
+    draws: int = 20,
+    seed: int = 0,
+) -> list[dict]:
+    """The baseline a found set must beat: necessity and normalised sufficiency (as the greedy
+    curves measure them) of `draws` random head sets of each size, all in one batched call per
+    measure. One row per (measure, set): ``measure``, ``size``, ``draw``, ``value``, ``heads``."""
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
+    n_layers, n_heads = n_layers_heads(model)
+    sizes = sorted({size for size in sizes if 1 <= size <= n_layers * n_heads})
+    if not sizes:
+        raise ValueError(f"no set size in 1..{n_layers * n_heads} among {list(sizes)}")
+    clean = _clean(model, batch, means)
+    sets = random_head_sets(n_layers, n_heads, sizes, draws, seed)
+    ablated = _mean_margins(model, batch, means, sets, keep=False)
+    empty, *kept = _mean_margins(model, batch, means, [(), *sets], keep=True)
+    rows = []
+    for index, (heads, left, alone) in enumerate(zip(sets, ablated, kept)):
+        for measure, value in (
+            ("necessity", (clean - left) / clean),
+            ("sufficiency", (alone - empty) / (clean - empty)),
+        ):
+            rows.append(
+                {
+                    "measure": measure,
+                    "size": len(heads),
+                    "draw": index % draws,
+                    "value": value,
+                    "heads": " ".join(f"L{l}H{h}" for l, h in heads),
+                }
+            )
+    return rows
+
+
+def band_summary(rows: Sequence[dict]) -> list[dict]:
+    """Per measure and size of :func:`random_band`'s rows: the mean and the central 95 % of the
+    draws (2.5th and 97.5th percentiles)."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        groups.setdefault((row["measure"], row["size"]), []).append(row["value"])
+    return [
+        {
+            "measure": measure,
+            "size": size,
+            "draws": len(values),
+            "mean": float(np.mean(values)),
+            "low": float(np.percentile(values, 2.5)),
+            "high": float(np.percentile(values, 97.5)),
+        }
+        for (measure, size), values in sorted(groups.items())
+    ]
+
+
+def beyond_chance(found: float, random_values: Sequence[float]) -> float:
+    """One-sided permutation-style p of a found set's measure against random sets of its size:
+    (1 + #random at least as high) / (1 + #random)."""
+    return (1 + sum(v >= found for v in random_values)) / (1 + len(random_values))
+
+
 def effect_pool(effects: Float[Tensor, "event layer head"], size: int) -> list[Head]:
     """The `size` heads with the largest mean single-head effect (an exact sweep's, or
     attribution's): the search's candidates."""
@@ -193,11 +277,15 @@ def faithful_circuit(
     max_size: int = 32,
     target: float = 0.8,
     seed: int = 0,
+    random_draws: int = 20,
 ) -> dict:
     """The smallest head set found on `discovery` events that is necessary and sufficient at
     `target` (the union of the two searches' smallest sets; the whole explored path when neither
     reaches it), measured on the disjoint `validation` events with bootstrap CIs over examples.
-    `effects` ([discovery event, layer, head], an exact sweep's or attribution's) choose the pool."""
+    `effects` ([discovery event, layer, head], an exact sweep's or attribution's) choose the pool.
+    With `random_draws`, random head sets are the baseline: a band at :data:`BAND_SIZES` on the
+    discovery events (beside the curves) and, on the validation events, sets of the found size
+    (a p-value for each measure)."""
     shared = {e.example_id for e in discovery.events} & {e.example_id for e in validation.events}
     if shared:
         raise ValueError(
@@ -222,6 +310,24 @@ def faithful_circuit(
         (clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR
         for rows in (np.flatnonzero(np.asarray(ids) == e) for e in dict.fromkeys(ids))
     ]
+    random = {}
+    if random_draws:
+        sizes = [size for size in BAND_SIZES if size <= max(max_size, len(heads))]
+        band = random_band(model, discovery, means, sizes, random_draws, seed)
+        same = random_band(model, validation, means, [len(heads)], random_draws, seed + 1)
+        found_values = {"necessity": necessity_value, "sufficiency": sufficiency_value}
+        random = {
+            "random_band": band_summary(band),
+            "random_same_size": {
+                measure: {
+                    "mean": float(np.mean(values)),
+                    "p": beyond_chance(found_values[measure], values),
+                }
+                for measure in found_values
+                for values in [[r["value"] for r in same if r["measure"] == measure]]
+            }
+            | {"draws": random_draws, "size": len(heads)},
+        }
     return {
         "heads": [list(h) for h in heads],
         "size": len(heads),
@@ -236,4 +342,5 @@ def faithful_circuit(
         "pool_size": len(pool),
         "target": target,
         "curves": necessity.to_rows() + sufficiency.to_rows(),
+        **random,
     }

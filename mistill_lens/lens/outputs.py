@@ -112,7 +112,7 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
 
 def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
     """The characterisation's figures by name: head maps and the ablation curve, the attention
-    families and the early-elicitation curve where the run made them."""
+    families, the early-elicitation curve and the faithfulness curves where the run made them."""
     figures = {
         "head_maps": plot.head_map_figure(
             result.calibration, result.circuits, result.config.z_min, result.swept_heads
@@ -125,6 +125,8 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
         )
     if result.elicitation_curve is not None:
         figures["elicitation"] = plot.elicitation_figure(result.elicitation_curve)
+    if result.faithful:
+        figures["faithfulness"] = plot.faithfulness_figure(result.faithful)
     view = result.example
     if view is not None:
         figures["example_margins"] = plot.event_margins_figure(view.example, view.margins)

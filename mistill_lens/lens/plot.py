@@ -206,6 +206,103 @@ def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
     return fig
 
 
+MEASURE_COLOURS = {"necessity": "#1f77b4", "sufficiency": "#ff7f0e"}
+
+
+def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
+    """Per kind (a ``summary.json`` ``faithful`` block): the greedy searches' curves on the
+    discovery events, the band random head sets of each size make on the same events (central 95 %
+    of the draws, and their mean), and the found set measured on the validation events."""
+    kinds = list(faithful)
+    fig = make_subplots(
+        rows=1,
+        cols=len(kinds),
+        shared_yaxes=True,
+        subplot_titles=[
+            f"{kind}: {faithful[kind]['size']} heads (n={faithful[kind]['n_events']} validation "
+            "events)"
+            for kind in kinds
+        ],
+    )
+    for col, kind in enumerate(kinds, start=1):
+        found = faithful[kind]
+        curves = pd.DataFrame(found["curves"])
+        band = pd.DataFrame(found.get("random_band", []))
+        for measure, colour in MEASURE_COLOURS.items():
+            legend = col == 1
+            if len(band):
+                rows = band[band["measure"] == measure]
+                fig.add_trace(
+                    go.Scatter(
+                        x=[*rows["size"], *rows["size"][::-1]],
+                        y=[*rows["high"], *rows["low"][::-1]],
+                        fill="toself",
+                        fillcolor=colour,
+                        opacity=0.15,
+                        line=dict(width=0),
+                        name=f"{measure}: random sets (95 %, {int(rows['draws'].iloc[0])} draws)",
+                        legendgroup=f"band {measure}",
+                        showlegend=legend,
+                        hoverinfo="skip",
+                    ),
+                    row=1,
+                    col=col,
+                )
+                fig.add_trace(
+                    go.Scatter(
+                        x=rows["size"],
+                        y=rows["mean"],
+                        mode="lines",
+                        line=dict(color=colour, dash="dot"),
+                        name=f"{measure}: random sets, mean",
+                        legendgroup=f"mean {measure}",
+                        showlegend=legend,
+                    ),
+                    row=1,
+                    col=col,
+                )
+            rows = curves[curves["measure"] == measure]
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["size"],
+                    y=rows["value"],
+                    mode="lines+markers",
+                    line=dict(color=colour),
+                    text=rows["heads"],
+                    hovertemplate="%{x} heads: %{y:.2f}<br>%{text}<extra></extra>",
+                    name=f"{measure}: greedy search (discovery)",
+                    legendgroup=f"greedy {measure}",
+                    showlegend=legend,
+                ),
+                row=1,
+                col=col,
+            )
+            low, high = found[f"{measure}_ci"]
+            fig.add_trace(
+                go.Scatter(
+                    x=[found["size"]],
+                    y=[found[measure]],
+                    error_y=dict(
+                        type="data",
+                        array=[high - found[measure]],
+                        arrayminus=[found[measure] - low],
+                    ),
+                    mode="markers",
+                    marker=dict(color=colour, symbol="star", size=12),
+                    name=f"{measure}: found set (validation, 95 % CI)",
+                    legendgroup=f"found {measure}",
+                    showlegend=legend,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.add_hline(y=found["target"], line_dash="dash", line_color="grey", row=1, col=col)
+        fig.update_xaxes(title_text="heads in the set", row=1, col=col)
+    fig.update_yaxes(title_text="share of the margin (sufficiency: normalised)", row=1, col=1)
+    fig.update_layout(title="Faithfulness of head sets: greedy search vs random sets of each size")
+    return fig
+
+
 def token_labels(encoded: EncodedExample) -> list[str]:
     """Each token's text from the example's character offsets, numbered so every label is unique
     (plotly merges equal category labels)."""

@@ -69,10 +69,12 @@ class CharacterizeConfig:
     # Search head sets by their joint effect (lens/faithfulness.py) on half of the examples and
     # report them on the other half: the candidates are the `faithful_pool` heads with the largest
     # single-head effects (None: no search), sets grow up to `faithful_max_size` heads, and the
-    # target is the necessity and normalised sufficiency to reach.
+    # target is the necessity and normalised sufficiency to reach; `faithful_random_draws` random
+    # head sets per size are the baseline (0: none).
     faithful_pool: int | None = None
     faithful_max_size: int = 32
     faithful_target: float = 0.8
+    faithful_random_draws: int = 20
 
     def __post_init__(self):
         # each config holds its own copies: a dict shared with another config (a default, the
@@ -92,6 +94,7 @@ class CharacterizeConfig:
             min_elicitation_examples=options.non_negative,
             faithful_pool=options.positive,
             faithful_max_size=options.positive,
+            faithful_random_draws=options.non_negative,
         )
         if not 0 < self.faithful_target <= 1:
             raise ValueError(
