@@ -63,6 +63,8 @@ def test_figures_are_written_as_html_sharing_one_bundle(tmp_path):
     assert len(figures["maps.html"].data) == 4  # raw and calibrated, per kind
     best = figures["early.html"].data[0]
     assert list(best.x) == [1, 2] and list(best.y) == [1.0, 0.8]  # the best stage per k
+    # titled by the kind it reads (an own task's kind, not always the region)
+    assert "answer decision" in plot.elicitation_figure(elicitation, "answer").layout.title.text
 
 
 def test_head_maps_are_centred_share_one_scale_and_mark_circuit_and_unswept_heads(calibration):
@@ -83,12 +85,57 @@ def test_head_maps_are_centred_share_one_scale_and_mark_circuit_and_unswept_head
     # the unswept head is a gap on the grey background, not a zero effect
     assert all(t.z[1][3] is None for t in heatmaps) and fig.layout.plot_bgcolor == "#bdbdbd"
     assert heatmaps[0].z[0][0] is not None
-    outlines = [t for t in fig.data if t.type == "scatter"]
-    assert len(outlines) == 2 and all(
-        (list(t.y), list(t.x)) == ([DECIDER[0]], [DECIDER[1]]) for t in outlines
-    )
-    assert fig.layout.yaxis.autorange == "reversed"  # layer 0 at the top, as imshow draws it
+    # the circuit head outlined by its cell's edges in both panels of its kind
+    layer, head = DECIDER
+    assert [(s.x0, s.x1, s.y0, s.y1) for s in fig.layout.shapes] == [
+        (head - 0.5, head + 0.5, layer - 0.5, layer + 0.5)
+    ] * 2
+    n_layers, n_heads = calibration.null_mean.shape
+    # layer 0 at the top, as imshow draws it; the axes span exactly the cells
+    assert tuple(fig.layout.yaxis.range) == (n_layers - 0.5, -0.5)
+    assert tuple(fig.layout.xaxis.range) == (-0.5, n_heads - 0.5)
     assert f"n={calibration.n_events[0]} events" in fig.layout.annotations[0].text
+
+
+def test_a_30_layer_head_map_outlines_the_right_cell_in_a_browser(tmp_path):
+    """Rendered by headless Chromium: the outline of L25H4 is centred on layer 25's tick, one
+    layer high, and the outline of L29H8 ends where the plot area ends (no band below layer 29)."""
+    from test_report import chromium
+
+    torch.manual_seed(0)
+    calibration = Calibration(
+        ("region",), torch.randn(1, 30, 9), torch.randn(30, 9), torch.rand(30, 9) + 0.5, 1e-2
+    )
+    fig = plot.head_map_figure(calibration, {"region": [(25, 4), (29, 8)]}, z_min=3.0)
+    page = tmp_path / "map.html"
+    plot.write_figure(fig, page)
+    dom = chromium(
+        page, "--virtual-time-budget=5000", "--dump-dom", user_data=tmp_path / "profile"
+    ).stdout
+    svg = dom[dom.index('class="main-svg"') :]
+    ticks = {
+        int(label): float(y)
+        for y, label in re.findall(
+            r'<g class="ytick"><text[^>]*transform="translate\([\d.]+,([\d.]+)\)"[^>]*>(\d+)</text>',
+            svg,
+        )
+    }
+    boxes = [
+        tuple(map(float, m))
+        for m in re.findall(
+            r'<path data-index="\d+"[^>]*d="M([\d.]+),([\d.]+)H([\d.]+)V([\d.]+)H', svg
+        )
+    ]
+    assert len(boxes) == 4  # two heads, two panels
+    cell = (ticks[25] - ticks[0]) / 25
+    top, bottom = boxes[0][1], boxes[0][3]  # L25H4 in the raw panel
+    assert (top + bottom) / 2 == pytest.approx(ticks[25], abs=0.5)
+    assert bottom - top == pytest.approx(cell, abs=0.5)
+    plot_bottom = max(
+        float(y) + float(h)
+        for y, h in re.findall(r'class="xgrid crisp"[^>]*d="M0,([\d.]+)v([\d.]+)"', svg)
+    )
+    assert boxes[1][3] == pytest.approx(plot_bottom, abs=0.5)  # L29H8's lower edge
 
 
 def all_heads_of(calibration):

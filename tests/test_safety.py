@@ -485,6 +485,9 @@ def test_characterize_records_its_warnings_and_refuses_no_examples(planted, tmp_
         == summary["warnings"]
     )
     assert not (tmp_path / "few" / "elicitation.csv").exists()
+    # and on every figure, which may be read without the summary
+    head_maps = (tmp_path / "few" / "figures" / "head_maps.html").read_text()
+    assert "warning: only 3 decided region events" in head_maps
     with pytest.raises(ValueError, match="no examples to characterise"):
         characterize_into(
             tmp_path / "none", bridge, tokenizer, [], planted_examples(20, seed=1), config

@@ -112,7 +112,8 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
 
 def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
     """The characterisation's figures by name: head maps and the ablation curve, the attention
-    families, the early-elicitation curve and the faithfulness curves where the run made them."""
+    families, the early-elicitation curve and the faithfulness curves where the run made them;
+    each with the run's warnings printed under it."""
     figures = {
         "head_maps": plot.head_map_figure(
             result.calibration, result.circuits, result.config.z_min, result.swept_heads
@@ -124,7 +125,9 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
             result.families, result.circuit
         )
     if result.elicitation_curve is not None:
-        figures["elicitation"] = plot.elicitation_figure(result.elicitation_curve)
+        figures["elicitation"] = plot.elicitation_figure(
+            result.elicitation_curve, result.config.elicitation_kind or "region"
+        )
     if result.faithful:
         figures["faithfulness"] = plot.faithfulness_figure(result.faithful)
     view = result.example
@@ -139,7 +142,7 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
             f"L{layer}H{head}'s attention from the token that predicts the {event.kind} decision "
             f"{event.chosen!r} (vs {event.contrast!r}), example {view.example.example_id}",
         )
-    return figures
+    return {name: plot.with_warnings(fig, result.warnings) for name, fig in figures.items()}
 
 
 def _forget_other_sweep(path: Path, table: pd.DataFrame) -> None:

@@ -4,6 +4,7 @@ where kaleido works): each file carries plotly.js, so it opens offline on its ow
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -68,25 +69,31 @@ def head_map_figure(
                 row=row,
                 col=col,
             )
-            heads = list((circuits or {}).get(kind, []))
-            if heads:
-                fig.add_trace(
-                    go.Scatter(
-                        x=[h for _, h in heads],
-                        y=[l for l, _ in heads],
-                        mode="markers",
-                        marker=dict(
-                            symbol="square-open", size=18, color="black", line=dict(width=2)
-                        ),
-                        name="circuit",
-                        showlegend=False,
-                        hovertemplate="circuit head L%{y}H%{x}<extra></extra>",
-                    ),
+            # each circuit head outlined by its own cell's edges (data coordinates), so the
+            # outline sits on the cell at any number of layers and any figure size
+            for layer, head in (circuits or {}).get(kind, []):
+                fig.add_shape(
+                    type="rect",
+                    x0=head - 0.5,
+                    x1=head + 0.5,
+                    y0=layer - 0.5,
+                    y1=layer + 0.5,
+                    line=dict(color="black", width=2),
                     row=row,
                     col=col,
                 )
-            fig.update_xaxes(title_text="head", dtick=1, row=row, col=col)
-            fig.update_yaxes(title_text="layer", autorange="reversed", row=row, col=col)
+            # fixed ranges: exactly the cells, no padding band that would read as "not swept"
+            fig.update_xaxes(
+                title_text="head", dtick=1, range=[-0.5, n_heads - 0.5], row=row, col=col
+            )
+            fig.update_yaxes(
+                title_text="layer",
+                range=[n_layers - 0.5, -0.5],
+                tick0=0,
+                dtick=1 if n_layers <= 16 else 5,
+                row=row,
+                col=col,
+            )
     z_ticks = sorted({0.0, round(z_span, 1), round(-z_span, 1), *([z_min] if z_min else [])})
     fig.update_layout(
         title=f"Head effects per event kind ({calibration.n_null} null events{threshold}; grey: not swept)",
@@ -112,8 +119,8 @@ def head_map_figure(
             ),
         ),
         plot_bgcolor="#bdbdbd",
-        height=300 * len(kinds) + 120,
-        width=1000,
+        height=max(300, 14 * n_layers) * len(kinds) + 120,
+        width=1100,  # room for the z colour bar's "(threshold)" label
     )
     return fig
 
@@ -173,8 +180,9 @@ def attention_families_figure(
     return fig
 
 
-def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
-    """Held-out readout accuracy of the region k tokens before it is written (best stage per k)."""
+def elicitation_figure(curve: pd.DataFrame, kind: str = "region") -> go.Figure:
+    """Held-out readout accuracy of the `kind` decision k tokens before it is written (best stage
+    per k)."""
     fig = go.Figure()
     for method, rows in curve.groupby("method"):
         best = rows.loc[rows.groupby("k")["accuracy"].idxmax()]
@@ -198,8 +206,8 @@ def elicitation_figure(curve: pd.DataFrame) -> go.Figure:
         else ""
     )
     fig.update_layout(
-        title=f"Early elicitation of the region{held_out}",
-        xaxis_title="tokens before the region token (k)",
+        title=f"Early elicitation of the {kind} decision{held_out}",
+        xaxis_title=f"tokens before the {kind} token (k)",
         yaxis_title="held-out accuracy",
         yaxis_range=[0, 1.05],
     )
@@ -387,6 +395,30 @@ def attention_row_figure(
         height=450,
         width=1000,
     )
+    return fig
+
+
+def with_warnings(fig: go.Figure, warnings: Sequence[str]) -> go.Figure:
+    """`fig` with the run's recorded warnings printed under it: a figure read on its own (an HTML
+    file passed around) keeps its caveats (too few events, null events or examples)."""
+    if not warnings:
+        return fig
+    lines = "<br>".join(f"warning: {textwrap.shorten(w, 160)}" for w in warnings)
+    fig.add_annotation(
+        text=lines,
+        xref="paper",
+        yref="paper",
+        x=0,
+        y=0,
+        yshift=-60,
+        yanchor="top",
+        xanchor="left",
+        align="left",
+        showarrow=False,
+        font=dict(size=11, color="#b35900"),
+    )
+    bottom = 80 + 16 * len(warnings)
+    fig.update_layout(margin=dict(b=bottom), height=(fig.layout.height or 450) + 16 * len(warnings))
     return fig
 
 
