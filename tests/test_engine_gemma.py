@@ -16,6 +16,7 @@ from mistill_lens.lens.hooks import (
     attribution_scores,
     event_position_classes,
     mean_ablation_hooks,
+    run_event_logits,
     run_margins,
 )
 from mistill_lens.models.tokenizers import student_tokenizer
@@ -131,3 +132,38 @@ def test_gemma3_on_the_engine_equals_the_full_forward(name):
         full_rows = cache[f"blocks.{layer}.attn.hook_pattern"][rows, :, batch.predict_positions]
         got = engine.event_patterns(batch, layer)
         torch.testing.assert_close(got, full_rows[..., : got.shape[-1]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_event_row_logits_equal_the_full_forwards_rows(name):
+    """run_event_logits stops at the unembedding's input and unembeds the events' rows alone (the
+    soft cap applied as the model's forward does): equal to the full logits' rows, with and without
+    intervention hooks; a hook on the final norm gets the full forward."""
+    settings = CONFIGS[name]
+    model = random_gemma(**settings)
+    batch = event_batch(model, settings["length"], settings["sliding_window"])
+    rows = torch.arange(len(batch))
+    hooks = mean_ablation_hooks(
+        model,
+        [(0, 1), (1, 2)],
+        means_from_events(model, batch),
+        event_position_classes(batch, means_from_events(model, batch).class_names),
+    )
+    for extra in ([], hooks):
+        with torch.no_grad():
+            full = model.run_with_hooks(batch.tokens, fwd_hooks=list(extra))[
+                rows, batch.predict_positions
+            ]
+        torch.testing.assert_close(run_event_logits(model, batch, extra), full, atol=1e-5, rtol=0)
+    if settings.get("softcap"):
+        assert full.abs().max() <= 3.0  # the cap is in the reference, so it was checked
+
+    def double(act, hook):
+        return act * 2
+
+    doubled = run_event_logits(model, batch, [("ln_final.hook_normalized", double)])
+    with torch.no_grad():
+        reference = model.run_with_hooks(
+            batch.tokens, fwd_hooks=[("ln_final.hook_normalized", double)]
+        )[rows, batch.predict_positions]
+    torch.testing.assert_close(doubled, reference, atol=1e-5, rtol=0)

@@ -56,6 +56,7 @@ from mistill_lens.lens.hooks import (
     event_position_classes,
     row_head_ablation_hooks,
     row_set_ablation_hooks,
+    run_margins,
     z_hook_name,
 )
 from mistill_lens.lens.model_types import StandsIn
@@ -354,28 +355,27 @@ class InterventionEngine(StandsIn):
         Hugging Face model) with `heads` zeroed at each row's predicting position."""
         hooks = _zero_heads_hooks(batch, heads)
         if hasattr(self.model, "run_with_hooks"):
-            logits = self.model.run_with_hooks(batch.tokens, fwd_hooks=hooks)
-        else:
-            adapter = adapter_for(self.model)
-            handles = [
-                adapter.z_module(int(_Z_NAME.match(name).group(1))).register_forward_pre_hook(
-                    lambda module, args, fn=fn: (
-                        einops.rearrange(
-                            fn(
-                                einops.rearrange(args[0], "b p (h d) -> b p h d", h=self.n_heads),
-                                hook=None,
-                            ),
-                            "b p h d -> b p (h d)",
+            return run_margins(self.model, batch, hooks)  # the events' logit rows alone
+        adapter = adapter_for(self.model)
+        handles = [
+            adapter.z_module(int(_Z_NAME.match(name).group(1))).register_forward_pre_hook(
+                lambda module, args, fn=fn: (
+                    einops.rearrange(
+                        fn(
+                            einops.rearrange(args[0], "b p (h d) -> b p h d", h=self.n_heads),
+                            hook=None,
                         ),
-                    )
+                        "b p h d -> b p (h d)",
+                    ),
                 )
-                for name, fn in hooks
-            ]
-            try:
-                logits = self.model(batch.tokens).logits
-            finally:
-                for handle in handles:
-                    handle.remove()
+            )
+            for name, fn in hooks
+        ]
+        try:
+            logits = self.model(batch.tokens).logits
+        finally:
+            for handle in handles:
+                handle.remove()
         return margins_at(logits.float(), batch.predict_positions, batch.chosen, batch.contrast)
 
     # --- the single-position recomputation ---------------------------------------------------

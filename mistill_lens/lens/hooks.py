@@ -21,7 +21,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.lens.events import EventBatch, decision_margins, position_class_names, row_chunks
+from mistill_lens.lens.events import (
+    EventBatch,
+    decision_margins,
+    margins_at,
+    position_class_names,
+    row_chunks,
+)
 from mistill_lens.lens.model_types import HookedModel
 
 Head = tuple[int, int]
@@ -54,7 +60,13 @@ def validate_heads(
     model: HookedModel, heads: Iterable[Head], allow_empty: bool = False
 ) -> list[Head]:
     """Sorted unique heads, with clear errors for out-of-range indices and empty sets."""
-    n_layers, n_heads = n_layers_heads(model)
+    return checked_heads(heads, *n_layers_heads(model), allow_empty=allow_empty)
+
+
+def checked_heads(
+    heads: Iterable[Head], n_layers: int, n_heads: int, allow_empty: bool = False
+) -> list[Head]:
+    """`validate_heads` for a model of `n_layers` x `n_heads` known by its shape alone."""
     unique = sorted(set(map(as_head, heads)))
     if not unique and not allow_empty:
         raise ValueError("empty head set: nothing to intervene on")
@@ -527,11 +539,44 @@ def attribution_scores(
 # --- running -------------------------------------------------------------------------------
 
 
+# Hook points on the logits' own path: with a hook there, the margins come from the full logits.
+UNEMBED_INPUT = "unembed.hook_in"
+_LOGIT_PATH = ("ln_final.", "unembed.", "hook_unembed")
+
+
+def run_event_logits(
+    model: HookedModel, batch: EventBatch, hooks: Sequence[HookPair] = ()
+) -> Float[Tensor, "event vocab"]:
+    """Each event row's logits at its predicting position from one forward with `hooks` applied.
+    The forward stops at the unembedding's input and only the events' rows are unembedded: the
+    [batch, pos, vocab] logits (~1 GB per 1,000-token example at Gemma's 262,144 tokens) are never
+    made. Hooks on the final norm or the unembedding run the full forward instead."""
+    check_hook_names(model, [name for name, _ in hooks])
+    rows = torch.arange(len(batch))
+    on_logit_path = any(name.startswith(_LOGIT_PATH) for name, _ in hooks)
+    if on_logit_path or UNEMBED_INPUT not in model.hook_dict:
+        with torch.no_grad():
+            logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))
+        return logits[rows, batch.predict_positions]
+    store: dict[str, Tensor] = {}
+
+    def keep(act: Tensor, hook) -> None:
+        store["x"] = act[rows, batch.predict_positions]
+
+    run_reading(model, batch.tokens, [*hooks, (UNEMBED_INPUT, keep)], UNEMBED_INPUT)
+    with torch.no_grad():
+        logits = model.unembed(store["x"][:, None])[:, 0]
+    cap = getattr(model.cfg, "output_logits_soft_cap", None) or 0.0
+    # the logits' soft cap (Gemma) is applied by the model's forward after the unembedding
+    return torch.tanh(logits / cap) * cap if cap > 0 else logits
+
+
 @torch.no_grad()
 def run_margins(
     model: HookedModel, batch: EventBatch, hooks: Sequence[HookPair] = ()
 ) -> Float[Tensor, "event"]:
-    """The events' margins from one forward pass with `hooks` applied."""
-    check_hook_names(model, [name for name, _ in hooks])
-    logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))
-    return decision_margins(logits, batch)
+    """The events' margins from one forward pass with `hooks` applied (the events' rows of the
+    logits alone: :func:`run_event_logits`)."""
+    logits = run_event_logits(model, batch, hooks)
+    at_rows = torch.zeros(len(batch), dtype=torch.long)
+    return margins_at(logits[:, None].float(), at_rows, batch.chosen, batch.contrast)
