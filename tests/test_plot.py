@@ -242,6 +242,10 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
     assert pytest.approx(view.margins[view.event], abs=1e-5) in list(clean)
     figure = characterization_figures(read)["example_attention"]
     assert list(figure.data[0].x) == token_labels(view.example)[: view.query + 1]
+    # the most attended tokens named at staggered heights, the highest first
+    named = [a for a in figure.layout.annotations if a.showarrow]
+    assert len(named) == min(5, view.query + 1) and len({a.ay for a in named}) == len(named)
+    assert named[0].text == max(zip(view.row, figure.data[0].x))[1]
 
 
 def test_families_figure_shows_the_circuit_and_the_top_heads_per_family():

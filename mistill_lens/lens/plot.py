@@ -381,13 +381,23 @@ def attention_row_figure(
         go.Scatter(
             x=[labels[i] for i in top],
             y=[values[i] for i in top],
-            mode="markers+text",
-            text=[labels[i] for i in top],
-            textposition="top center",
+            mode="markers",
             hovertemplate=hover,
             showlegend=False,
         )
     )
+    # named by arrows of staggered lengths: neighbouring top tokens of similar weight would
+    # otherwise print their names over each other
+    for rank, i in enumerate(top):
+        fig.add_annotation(
+            x=labels[i],
+            y=values[i],
+            text=labels[i],
+            showarrow=True,
+            arrowhead=0,
+            ax=0,
+            ay=-(18 + 16 * rank),
+        )
     fig.update_layout(
         title=title,
         xaxis=dict(title=f"source token (query: {labels[-1]})", tickangle=-60),
