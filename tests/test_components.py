@@ -24,3 +24,30 @@ def test_the_planted_decisions_live_in_layer_0_attention_not_in_mlps(planted, pl
     assert full.single.tolist() == pytest.approx(attention.single.tolist(), abs=1e-4)
     with pytest.raises(ValueError, match="site must be one of"):
         component_shares(engine, batch, reference, "hook_resid_mid")
+
+
+def test_characterize_records_the_shares_in_its_summary_and_figure(planted, tmp_path):
+    from characterized import characterize_into
+    from planted import planted_examples
+
+    from mistill_lens.lens.outputs import read_characterization
+    from mistill_lens.lens.results import CharacterizeConfig
+
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(seed=0, ks=(1, 2), progress=False, components=True)
+    summary = characterize_into(
+        tmp_path / "run",
+        bridge,
+        tokenizer,
+        planted_examples(12, seed=0),
+        planted_examples(30, seed=1),
+        config,
+    )
+    components = summary["components"]
+    assert set(components) == {"hook_mlp_out", "hook_attn_out"}
+    for kind, shares in components["hook_attn_out"].items():
+        assert shares["all_layers"] > 0.8 and shares["top"][0][0] == 0  # layer 0 decides
+        assert len(shares["single"]) == len(shares["cumulative"]) == bridge.cfg.n_layers
+        assert abs(components["hook_mlp_out"][kind]["all_layers"]) < 1e-5
+    assert read_characterization(tmp_path / "run").components == components
+    assert (tmp_path / "run" / "figures" / "components.html").is_file()

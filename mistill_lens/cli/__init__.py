@@ -479,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(summary.json: faithful); costs a few minutes per kind on the default teacher",
     )
     characterize.add_argument(
+        "--components",
+        action="store_true",
+        help="also measure the layer outputs' shares of each kind's margin (every layer's MLP and "
+        "attention output at the events mean-replaced, alone and cumulatively; summary.json: "
+        "components)",
+    )
+    characterize.add_argument(
         "--faithful-draws",
         type=NON_NEGATIVE_INT,
         default=20,

@@ -30,6 +30,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         engine=not args.no_engine,
         faithful_pool=args.faithful,
         faithful_random_draws=args.faithful_draws,
+        components=args.components,
     )
     return replace(config, **overrides)
 

@@ -39,6 +39,7 @@ from mistill_lens.lens.circuits import (
     head_families,
     select_circuit,
 )
+from mistill_lens.lens.components import SITES, component_shares, component_summary
 from mistill_lens.lens.elicitation import (
     carrying_heads,
     elicitation_curve,
@@ -344,6 +345,16 @@ def _characterize(
         families = head_families(masses, batch.kinds, all_heads(model), baselines)
 
     faithful = _faithful(model, batch, means, exact, config, warned)
+    components = (
+        {
+            site: component_summary(
+                component_shares(model, batch, make_event_batch(reference, pad_token_id=pad), site)
+            )
+            for site in SITES
+        }
+        if config.components
+        else {}
+    )
     elicitation, curve = _elicitation(model, batch, circuits, region_candidates, config)
     if curve is None and config.elicitation_kind is not None:
         warned.append(f"early elicitation skipped: {elicitation['skipped']}")
@@ -380,6 +391,7 @@ def _characterize(
         n_null_events=len(nulls),
         warnings=warned,
         faithful=faithful,
+        components=components,
         example=example_view(
             model, encoded, every_event, every_margin, decided.tolist(), circuits, calibration
         ),

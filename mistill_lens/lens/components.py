@@ -55,6 +55,22 @@ def output_means(
     return torch.stack(means)  # [kind, layer, d_model]
 
 
+def component_summary(table: pd.DataFrame, top: int = 3) -> dict[str, dict]:
+    """:func:`component_shares`'s table per kind: every layer together (the last cumulative
+    share), the `top` single layers, the per-layer shares and the number of events."""
+    out = {}
+    for kind, rows in table.groupby("kind", sort=False):
+        largest = rows.sort_values("single", ascending=False).head(top)
+        out[kind] = {
+            "all_layers": float(rows["cumulative"].iloc[-1]),
+            "top": [[int(r.layer), float(r.single)] for r in largest.itertuples()],
+            "single": [float(v) for v in rows["single"]],
+            "cumulative": [float(v) for v in rows["cumulative"]],
+            "n_events": int(rows["n_events"].iloc[0]),
+        }
+    return out
+
+
 def component_shares(
     model: HookedModel, batch: EventBatch, reference: EventBatch, site: str = "hook_mlp_out"
 ) -> pd.DataFrame:

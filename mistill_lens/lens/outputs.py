@@ -130,6 +130,8 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
         )
     if result.faithful:
         figures["faithfulness"] = plot.faithfulness_figure(result.faithful)
+    if result.components:
+        figures["components"] = plot.components_figure(result.components)
     view = result.example
     if view is not None:
         figures["example_margins"] = plot.event_margins_figure(view.example, view.margins)
@@ -200,6 +202,7 @@ def read_characterization(out_dir: str | Path) -> Characterization:
         n_null_events=summary["n_null_events"],
         warnings=summary["warnings"],
         faithful=summary.get("faithful", {}),
+        components=summary.get("components", {}),
         example=ExampleView.from_json(json.loads((out_dir / EXAMPLE_FILE).read_text()))
         if (out_dir / EXAMPLE_FILE).is_file()
         else None,

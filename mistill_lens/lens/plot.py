@@ -311,6 +311,61 @@ def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
     return fig
 
 
+def components_figure(components: Mapping[str, Mapping[str, Mapping]]) -> go.Figure:
+    """Per site (MLP outputs, attention outputs): each kind's share of the margin lost when a
+    layer's output at the events is replaced by its mean, one layer at a time (bars) and for
+    layers 0..l together (line)."""
+    sites = list(components)
+    fig = make_subplots(
+        rows=1,
+        cols=len(sites),
+        shared_yaxes=True,
+        subplot_titles=[f"{site} at the decision token" for site in sites],
+    )
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
+    for col, site in enumerate(sites, start=1):
+        for index, (kind, shares) in enumerate(components[site].items()):
+            colour = palette[index % len(palette)]
+            layers = list(range(len(shares["single"])))
+            label = f"{kind} (n={shares['n_events']})"
+            fig.add_trace(
+                go.Bar(
+                    x=layers,
+                    y=shares["single"],
+                    marker_color=colour,
+                    opacity=0.5,
+                    name=f"{label}: one layer",
+                    legendgroup=kind,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=layers,
+                    y=shares["cumulative"],
+                    mode="lines",
+                    line=dict(color=colour),
+                    name=f"{label}: layers 0..l",
+                    legendgroup=kind,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(title_text="layer", row=1, col=col)
+    fig.update_yaxes(title_text="share of the mean clean margin lost", row=1, col=1)
+    fig.update_layout(
+        title="Layer outputs' shares of the margin (mean-replaced at the predicting position only: "
+        "MLP work at earlier positions is not in these numbers)",
+        barmode="group",
+        height=450,
+        width=1100,
+    )
+    return fig
+
+
 def token_labels(encoded: EncodedExample) -> list[str]:
     """Each token's text from the example's character offsets, numbered so every label is unique
     (plotly merges equal category labels)."""

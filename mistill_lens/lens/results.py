@@ -75,6 +75,10 @@ class CharacterizeConfig:
     faithful_max_size: int = 32
     faithful_target: float = 0.8
     faithful_random_draws: int = 20
+    # The layer outputs' shares of the margin (lens/components.py: each layer's hook_mlp_out and
+    # hook_attn_out at the events replaced by its per-kind reference mean, alone and cumulatively):
+    # "are the decisions made by heads or by MLPs at the decision token?"
+    components: bool = False
 
     def __post_init__(self):
         # each config holds its own copies: a dict shared with another config (a default, the
@@ -178,6 +182,9 @@ class Characterization:
     # per kind and "all": the smallest head set found by its joint effect on discovery examples,
     # measured on validation examples (lens/faithfulness.faithful_circuit); empty: not searched
     faithful: dict[str, Any] = field(default_factory=dict)
+    # per site (hook_mlp_out, hook_attn_out) and kind: the layer outputs' shares of the margin
+    # (lens/components.component_summary); empty: not measured
+    components: dict[str, Any] = field(default_factory=dict)
 
     @property
     def circuit(self) -> list[Head]:
@@ -322,6 +329,8 @@ class Characterization:
             summary["families"] = self.family_of_circuit_heads()
         if self.faithful:
             summary["faithful"] = self.faithful
+        if self.components:
+            summary["components"] = self.components
         summary["elicitation"] = self.elicitation
         summary["config"] = asdict(self.config)
         summary.update(self.provenance)
