@@ -17,8 +17,8 @@ import torch
 from mistill_lens import task
 from mistill_lens.distill.attention import DistillItem, collate_items
 from mistill_lens.distill.training import DistillConfig, pretrained_student, student_losses
+from mistill_lens.lens.adapters import adapter_for
 from mistill_lens.lens.events import events_from_spans
-from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.checkpoints import base_tokenizer
 from mistill_lens.training.loop import encode, make_optimizer
 
@@ -40,10 +40,14 @@ def student(family: str, precision: str, seed: int):
         family=family, precision="bf16" if precision == "bf16" else "fp32-master", seed=seed
     )
     model = pretrained_student(config)
-    bridge = to_bridge(model.get_base_model(), base_tokenizer(family), dtype=model.dtype)
-    bridge.train()
+    model.train()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    return model, bridge, parameters, make_optimizer(config, parameters)
+    return (
+        model,
+        adapter_for(model.get_base_model()),
+        parameters,
+        make_optimizer(config, parameters),
+    )
 
 
 def main(family: str, k: int, steps: int, seed: int) -> None:
@@ -55,14 +59,14 @@ def main(family: str, k: int, steps: int, seed: int) -> None:
     runs = {}
     for precision in PRECISIONS:
         runs[precision] = student(family, precision, seed)
-        n_layers = runs[precision][1].cfg.n_layers
+        n_layers = runs[precision][1].n_layers
     heads = [(layer, 0) for layer in range(n_layers // 2, n_layers)]
     times = {p: [] for p in PRECISIONS}
     for round_ in range(steps + 1):
         for precision in PRECISIONS:
-            model, bridge, parameters, optimizer = runs[precision]
+            model, adapter, parameters, optimizer = runs[precision]
             start = time.perf_counter()
-            cot, attention = student_losses(model, bridge, batch, heads, precision)
+            cot, attention = student_losses(model, adapter, batch, heads, precision)
             (cot + attention).backward()
             torch.nn.utils.clip_grad_norm_(parameters, 1.0)
             optimizer.step()

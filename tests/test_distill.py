@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
-from transformers import ByT5Tokenizer
+from transformers import ByT5Tokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
 import mistill_lens.distill.training as training_module
 from mistill_lens import task
@@ -19,8 +19,10 @@ from mistill_lens.distill.align import overlap_matrix, transfer_mass
 from mistill_lens.distill.attention import (
     attention_kl,
     collate_items,
+    event_attention,
     pattern_recorder,
     pooled_attention,
+    residual_recorder,
     student_item,
     teacher_event_attention,
     teacher_head_sets,
@@ -38,6 +40,7 @@ from mistill_lens.distill.report import (
     passes_gate,
     sign_flip_p_value,
     summarise,
+    training_curve,
     write_report,
 )
 from mistill_lens.distill.training import (
@@ -47,6 +50,7 @@ from mistill_lens.distill.training import (
     initial_student,
     student_losses,
 )
+from mistill_lens.lens.adapters import adapter_for
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.characterize import Characterization, CharacterizeConfig
 from mistill_lens.lens.engine import InterventionEngine
@@ -222,15 +226,95 @@ def test_a_trace_is_verbatim_exactly_when_greedy_decoding_writes_it():
 # --- targets and loss ------------------------------------------------------------------------
 
 
-def tiny_student(family="llama", seed=0):
+def tiny_student(family="llama", seed=0, attention="eager"):
     tokenizer = family_tokenizer(family)
     model = build_student(
         student_config(
             family, len(tokenizer), tokenizer.eos_token_id, n_layer=2, n_head=2, n_embd=32
         ),
         seed,
+        attention,
     )
-    return model, to_bridge(model, tokenizer), tokenizer
+    return model, tokenizer
+
+
+def tiny_gemma(attention="eager"):
+    """A 3-layer random Gemma 3: sliding-window layers (window 8) around one global layer, grouped
+    keys (4 query heads, 2 key/value heads), QK-norm, norms given some scale."""
+    config = Gemma3TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+        pad_token_id=0,
+        attn_implementation=attention,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    model.config.architectures = ["Gemma3ForCausalLM"]
+    return model
+
+
+def bridged_pooled(model, tokenizer, ids, heads, query_positions):
+    """The pooled event attention as the bridge's hook_pattern holds it (the reference)."""
+    bridge = to_bridge(model, tokenizer)
+    store = {}
+    with bridge.hooks(fwd_hooks=pattern_recorder([layer for layer, _ in heads], store)):
+        bridge(ids)
+    return pooled_attention(store, heads, query_positions)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_event_rows_equal_the_bridge_pattern_rows_with_their_gradients(family):
+    """The training path (memory-efficient attention, event rows recomputed from the recorded
+    residuals) gives the rows of hook_pattern, and the same gradients into the student."""
+    if family == "gemma3":
+        tokenizer = student_tokenizer()
+        reference, student = tiny_gemma("eager"), tiny_gemma("sdpa")
+        heads = [(0, 1), (1, 0), (1, 3), (2, 2)]  # both window kinds, both key/value groups
+    else:
+        (reference, tokenizer), (student, _) = (
+            tiny_student(family, attention=a) for a in ("eager", "sdpa")
+        )
+        heads = [(0, 1), (1, 0), (1, 1)]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (2, 40), generator=generator)
+    query_positions = torch.tensor([[3, 20, 39], [0, 9, 30]])  # early, past the window, last
+    expected = bridged_pooled(reference, tokenizer, ids, heads, query_positions)
+    store = {}
+    adapter = adapter_for(student)
+    with residual_recorder(adapter, [layer for layer, _ in heads], store):
+        student(ids)
+    pooled = event_attention(adapter, store, heads, query_positions)
+    torch.testing.assert_close(pooled, expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(pooled.sum(-1), torch.ones(2, 3))
+    weights = torch.rand(pooled.shape, generator=generator)
+    (pooled * weights).sum().backward()
+    (expected * weights).sum().backward()
+    compared = 0
+    # bridged in place, the reference's modules sit under `_original_component`
+    bridged = {
+        name.replace("._original_component", ""): p for name, p in reference.named_parameters()
+    }
+    for name, a in student.named_parameters():
+        # the GPT-2 bridge moves its attention weights into split q/k/v copies: compared are
+        # the parameters both hold
+        b = bridged.get(name)
+        if b is not None and b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+            compared += int(b.grad.abs().sum() > 0)
+    assert compared > 3
 
 
 def test_targets_are_distributions_over_the_student_context(teacher, examples):
@@ -265,16 +349,15 @@ def test_targets_on_the_engine_equal_the_full_forward_patterns(teacher, examples
 
 
 def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, examples):
-    model, bridge, tokenizer = tiny_student()
+    model, tokenizer = tiny_student()
     items, _ = distillation_items(
         examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
     )
     batch = collate_items(items, tokenizer.pad_token_id)
-    heads = [(1, 0), (1, 1)]
-    store = {}
-    with torch.no_grad(), bridge.hooks(fwd_hooks=pattern_recorder([1], store)):
-        bridge(batch.ids)
-    pooled = pooled_attention(store, heads, batch.query_positions)
+    with torch.no_grad():
+        pooled = bridged_pooled(
+            model, tokenizer, batch.ids, [(1, 0), (1, 1)], batch.query_positions
+        )
     assert attention_kl(pooled, pooled.clone(), batch.event_mask) == 0
     assert attention_kl(pooled, batch.attention_targets, batch.event_mask) > 0
     nudged = pooled.clone()
@@ -288,15 +371,16 @@ def test_attention_loss_is_zero_iff_pooled_attention_equals_target(teacher, exam
 def test_gradient_flows_through_the_student_pattern_and_never_into_the_teacher(
     teacher, examples, tmp_path
 ):
-    model, bridge, tokenizer = tiny_student()
+    model, tokenizer = tiny_student(attention="sdpa")
     items, _ = distillation_items(
         examples[:2], *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
     )
     batch = collate_items(items, tokenizer.pad_token_id)
-    _, attention = student_losses(model, bridge, batch, [(1, 0), (1, 1)], "fp32-master")
+    adapter = adapter_for(model)
+    _, attention = student_losses(model, adapter, batch, [(1, 0), (1, 1)], "fp32-master")
     attention.backward()
-    q_grad = bridge.blocks[1].attn.q.weight.grad
-    assert q_grad is not None and q_grad.abs().sum() > 0  # through hook_pattern into the student
+    q_grad = model.model.layers[1].self_attn.q_proj.weight.grad
+    assert q_grad is not None and q_grad.abs().sum() > 0  # through the event rows into the student
     before = {name: p.detach().clone() for name, p in teacher[0].named_parameters()}
     run({}, teacher, examples, tmp_path / "run")
     for name, parameter in teacher[0].named_parameters():
@@ -360,15 +444,14 @@ def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_pat
 
 
 def mean_attention_kl(run_dir, teacher, examples):
-    model, tokenizer = load_hf_model(run_dir, attn_implementation="eager")
-    bridge = to_bridge(model, tokenizer)
+    model, tokenizer = load_hf_model(run_dir)
     items, _ = distillation_items(
         examples, *teacher, tokenizer, teacher_head_sets(TEACHER_HEADS), 1024
     )
     with torch.no_grad():
         _, kl = student_losses(
             model,
-            bridge,
+            adapter_for(model),
             collate_items(items, tokenizer.pad_token_id),
             [(1, 0), (1, 1)],
             "fp32-master",
@@ -687,6 +770,12 @@ def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):
     )
     for name in ("table.csv", "table.md", "figure.html", "runs.csv", "paired.csv"):
         assert (tmp_path / "report" / name).is_file()
+    # the training curve: from the run's training state, one point per window of steps
+    curve = training_curve(tmp_path / "s0", window=1)
+    assert list(curve["step"]) == [1, 2] and list(curve["attention"]) == pytest.approx(
+        log, abs=1e-5
+    )
+    assert (tmp_path / "report" / "training_curves.html").is_file()
     # an evaluation written before the median was recorded gets it from its per-event table
     evaluation = json.loads((tmp_path / "s0" / EVALUATION_FILE).read_text())
     (tmp_path / "s0" / EVALUATION_FILE).write_text(

@@ -3,11 +3,15 @@ from its registry package) with a LoRA adapter, on its own tokenizer: the attent
 the supervised heads and the CoT run does not, the adapter written is the adapter trained, and
 bad starting points are refused."""
 
+import json
+
+import pandas as pd
 import pytest
 import torch
 
 from mistill_lens import task
 from mistill_lens.distill.attention import teacher_head_sets
+from mistill_lens.distill.shipping import REFERENCE_FILE, reference_scores, ship_student
 from mistill_lens.distill.training import DistillConfig, distill, pretrained_student
 from mistill_lens.models.checkpoints import (
     ADAPTER_WEIGHTS_FILE,
@@ -16,6 +20,7 @@ from mistill_lens.models.checkpoints import (
     load_hf_model,
     read_metadata,
 )
+from mistill_lens.runs import OutputError
 
 TASK = {"universe_size": 300, "k": 8, "max_mentions": 2}
 TEACHER_HEADS = {"region": [(1, 0)], "within": [(1, 1)], "near_miss": [(0, 1), (1, 0)]}
@@ -40,7 +45,14 @@ def run(objective, teacher, examples, out, **overrides):
     bridge, tokenizer = teacher
     config = DistillConfig(**{**PRETRAINED, "objective": objective, "steps": 4, **overrides})
     metadata = distill(
-        config, bridge, tokenizer, examples, teacher_head_sets(TEACHER_HEADS), out, progress=False
+        config,
+        bridge,
+        tokenizer,
+        examples,
+        teacher_head_sets(TEACHER_HEADS),
+        out,
+        progress=False,
+        extra_metadata={"task": TASK},
     )
     return config, metadata
 
@@ -62,8 +74,12 @@ def test_the_attention_loss_lowers_the_kl_and_the_cot_run_does_not(
     assert cot["paired"] == mistill["paired"]  # same data, order and initial adapter
     cot_log, mistill_log = attention_log(tmp_path / "cot"), attention_log(tmp_path / "mistill")
     assert cot_log[0] == pytest.approx(mistill_log[0])  # the same student before the first step
-    assert mistill_log[-1] < 0.9 * mistill_log[0]
-    assert mistill_log[0] - mistill_log[-1] > 3 * abs(cot_log[0] - cot_log[-1])
+    # at this learning rate the CoT run's KL swings by ~1 nat from step to step (2.28 -> 2.68 ->
+    # 1.65 -> 2.54 read from hook_pattern under eager attention; 2.28 -> 3.12 at the last step
+    # read as event rows, bf16 rounding the only difference): compared are where the runs end
+    assert mistill_log[-1] < 0.5 * mistill_log[0]
+    assert cot_log[-1] > 0.9 * cot_log[0]  # the CoT run does not lower it
+    assert mistill_log[-1] < cot_log[-1] / 3
     assert mistill["base"] == "smollm2" and mistill["n_params"] < mistill["n_params_total"] / 20
 
 
@@ -79,6 +95,35 @@ def test_the_written_adapter_is_the_trained_one(random_teacher, examples, tmp_pa
         logits = merged(ids).logits
         torch.testing.assert_close(unmerged(ids).logits, logits, atol=2e-4, rtol=0)
         assert (logits - base(ids).logits).abs().max() > 1e-2  # training moved the model
+    # shipped: the adapter and its record without the optimizer state or the tokenizer (the
+    # base's), and scores that the shipped folder reproduces when loaded on its own
+    shipped = ship_student(tmp_path / "run", tmp_path / "shipped")
+    names = {p.name for p in shipped.iterdir()}
+    assert names == {
+        "adapter_config.json",
+        ADAPTER_WEIGHTS_FILE,
+        "mistill.json",
+        REFERENCE_FILE,
+        "training_curve.csv",
+        "manifest.json",
+    }
+    curve = pd.read_csv(shipped / "training_curve.csv")
+    assert list(curve["step"]) == [2] and curve["cot"].iloc[0] > 0  # 2 steps, one window
+    record = json.loads((shipped / REFERENCE_FILE).read_text())
+    assert record["examples"]["k"] == TASK["k"] and record["teacher_forced"]
+    again = reference_scores(shipped, TASK["k"], TASK["max_mentions"])
+    for kind, scores in record["teacher_forced"].items():
+        assert again["teacher_forced"][kind]["n"] == scores["n"] > 0
+        assert again["teacher_forced"][kind]["margin"] == pytest.approx(scores["margin"], abs=1e-3)
+    base_scores = reference_scores("smollm2", TASK["k"], TASK["max_mentions"])["teacher_forced"]
+    assert any(
+        abs(base_scores[kind]["margin"] - scores["margin"]) > 1e-2
+        for kind, scores in record["teacher_forced"].items()
+    )  # the record can tell the adapter from its base
+    with pytest.raises(OutputError, match="already exists"):
+        ship_student(tmp_path / "run", shipped)
+    with pytest.raises(CheckpointError, match="holds no LoRA adapter"):
+        ship_student("tiny", tmp_path / "other")
 
 
 def test_a_pretrained_student_refuses_a_start_that_is_not_its_base(

@@ -12,6 +12,7 @@ placement, so teacher and student events pair up one to one.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -23,6 +24,7 @@ from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
 from mistill_lens.distill.align import require_offsets, transfer_mass
+from mistill_lens.lens.adapters import Adapter
 from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EncodedExample, events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
@@ -191,6 +193,72 @@ def pattern_recorder(layers: Sequence[int], store: dict[int, Tensor]) -> list[Ho
         return hook
 
     return [(pattern_name(layer), keep(layer)) for layer in sorted(set(layers))]
+
+
+@contextmanager
+def residual_recorder(adapter: Adapter, layers: Sequence[int], store: dict[int, Tensor]):
+    """Keeps the residual entering each of `layers` [batch, pos, d_model] in `store` while the
+    block runs, in the autograd graph: what :func:`event_attention` computes the rows from."""
+
+    def keep(layer: int):
+        def hook(module, args, kwargs):
+            store[layer] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [
+        adapter.layer_module(layer).register_forward_pre_hook(keep(layer), with_kwargs=True)
+        for layer in sorted(set(layers))
+    ]
+    try:
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def event_attention(
+    adapter: Adapter,
+    residuals: Mapping[int, Float[Tensor, "batch pos d_model"]],
+    heads: Sequence[Head],
+    query_positions: Int[Tensor, "batch event"],
+) -> Float[Tensor, "batch event key"]:
+    """Mean over `heads` of each head's attention row at each event's query position, as
+    :func:`pooled_attention` reads it from ``hook_pattern``, but computed for those rows alone from
+    the residual entering each head's layer (:func:`residual_recorder`): the student can then run
+    memory-efficient attention everywhere, with no [pos, pos] pattern in any layer."""
+    if not heads:
+        raise ValueError("empty student head set: no attention to pool")
+    missing = sorted({layer for layer, _ in heads} - set(residuals))
+    if missing:
+        raise KeyError(f"no recorded residual for student layer(s) {missing}")
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    rows = []
+    for layer, layer_heads in by_layer.items():
+        x = residuals[layer]
+        batch, width, d_model = x.shape
+        positions = torch.arange(width, device=x.device)
+        _, keys, _ = adapter.qkv(
+            layer, einops.rearrange(x, "b t d -> (b t) d"), positions.repeat(batch)
+        )
+        keys = einops.rearrange(keys, "(b t) k d -> b k t d", b=batch)
+        at_queries = x.gather(1, einops.repeat(query_positions, "b e -> b e d", d=d_model))
+        queries, _, _ = adapter.qkv(
+            layer, einops.rearrange(at_queries, "b e d -> (b e) d"), query_positions.flatten()
+        )
+        queries = einops.rearrange(queries, "(b e) (k g) d -> b e k g d", b=batch, k=keys.shape[1])
+        scores = einops.einsum(queries, keys, "b e k g d, b k t d -> b e k g t")
+        scores = scores * adapter.scaling(layer)
+        visible = positions <= query_positions[..., None]  # [batch, event, key]
+        window = adapter.window(layer)
+        if window is not None:
+            visible = visible & (positions > query_positions[..., None] - window)
+        scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+        pattern = einops.rearrange(scores.float().softmax(dim=-1), "b e k g t -> b e (k g) t")
+        rows.append(pattern[:, :, layer_heads])
+    return torch.cat(rows, dim=2).mean(dim=2)
 
 
 def pooled_attention(

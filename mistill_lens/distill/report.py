@@ -11,11 +11,13 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
 from mistill_lens.lens.plot import write_figure
 from mistill_lens.runs import claim_run_dir, legacy_run
+from mistill_lens.training.loop import TRAINING_STATE_FILE
 
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]
@@ -30,6 +32,63 @@ EXTRA = [MEDIAN, "recovery_ablation", "recovery_knock_in", ATTENTION, "train_tim
 # the tables, marked.
 GATE = {"code_f1": 0.5, "near_miss_acc": 0.5}
 GATE_MIN_EVAL = 50
+CURVE_FILE = "training_curve.csv"  # a run's losses by step, where its training state is not kept
+CURVE_WINDOW = 25  # steps averaged per point of a training curve
+
+
+def training_curve(run_dir: str | Path, window: int = CURVE_WINDOW) -> pd.DataFrame | None:
+    """A run's training curve: per `window` steps, the mean CoT loss and the mean attention KL at
+    the events (logged by both objectives; steps whose batch holds no event are left out), from
+    its training state, or from the ``training_curve.csv`` a shipped or recorded run carries (None:
+    neither). Columns: step (the window's last), cot, attention."""
+    run_dir = Path(run_dir)
+    if (run_dir / CURVE_FILE).is_file():
+        return pd.read_csv(run_dir / CURVE_FILE)
+    state_file = run_dir / TRAINING_STATE_FILE
+    if not state_file.is_file():
+        return None
+    log = torch.load(state_file, weights_only=False, map_location="cpu")["log"]
+    rows = []
+    for start in range(0, len(log["cot"]), window):
+        attention = [a for a in log["attention"][start : start + window] if a is not None]
+        rows.append(
+            {
+                "step": min(start + window, len(log["cot"])),
+                "cot": float(np.mean(log["cot"][start : start + window])),
+                "attention": float(np.mean(attention)) if attention else None,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def curves_figure(curves: dict[str, pd.DataFrame]) -> go.Figure:
+    """Training curves by run (label: family / objective / precision / seed): CoT loss and the
+    attention KL at the events, side by side."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=[
+            f"CoT loss (mean per {CURVE_WINDOW} steps)",
+            "attention KL at the events (both objectives log it)",
+        ],
+    )
+    for label, curve in curves.items():
+        for col, column in enumerate(("cot", "attention"), start=1):
+            fig.add_trace(
+                go.Scatter(
+                    x=curve["step"],
+                    y=curve[column],
+                    mode="lines",
+                    name=label,
+                    legendgroup=label,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(title_text="step")
+    fig.update_layout(title="Training curves", height=450, width=1100)
+    return fig
 
 
 def load_evaluations(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -228,14 +287,21 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
-    """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md`` and ``figure.html``; returns the
-    JSON summary."""
+    """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md``, ``figure.html`` and, where
+    the runs' training logs are at hand, ``training_curves.html``; returns the JSON summary."""
     out_dir = claim_run_dir(
         out_dir,
         "distill-report",
         legacy_run(
             ["runs.csv", "table.md"],
-            ["table.csv", "paired.csv", "figure.html", "figure.png", "plotly.min.js"],
+            [
+                "table.csv",
+                "paired.csv",
+                "figure.html",
+                "figure.png",
+                "plotly.min.js",
+                "training_curves.html",
+            ],
         ),
     )
     frame = load_evaluations(run_dirs)
@@ -254,4 +320,12 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
         )
     )
     write_figure(report_figure(table), out_dir / "figure.html")
+    curves = {
+        f"{row.family}/{row.objective}/{row.precision}/seed {row.seed}": curve
+        for run, (_, row) in zip(run_dirs, frame.iterrows())
+        for curve in [training_curve(run)]
+        if curve is not None
+    }
+    if curves:
+        write_figure(curves_figure(curves), out_dir / "training_curves.html")
     return report_json(table)

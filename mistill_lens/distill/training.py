@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from mistill_lens import options, task
 from mistill_lens.distill import OBJECTIVES
@@ -24,14 +25,15 @@ from mistill_lens.distill.attention import (
     DistillItem,
     attention_kl,
     collate_items,
+    event_attention,
     heads_in_layers,
-    pattern_recorder,
-    pooled_attention,
+    residual_recorder,
     student_item,
 )
+from mistill_lens.lens.adapters import Adapter, adapter_for
 from mistill_lens.lens.backends import choose_backend
 from mistill_lens.lens.fingerprint import tensor_digest, value_digest
-from mistill_lens.lens.hooks import Head, n_layers_heads, validate_heads
+from mistill_lens.lens.hooks import Head, checked_heads, n_layers_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.models import FAMILIES
 from mistill_lens.models.checkpoints import (
@@ -48,7 +50,6 @@ from mistill_lens.models.checkpoints import (
     read_metadata,
     resolve,
     save_checkpoint,
-    to_bridge,
     weights_digest,
 )
 from mistill_lens.models.lora import AdapterExport, fresh_adapter
@@ -76,6 +77,10 @@ from mistill_lens.training.loop import (
     output_loss,
     run_steps,
 )
+
+# Students train with memory-efficient attention: the attention loss reads only the event rows,
+# computed apart (`event_attention`), so no layer materialises its [pos, pos] pattern.
+TRAINING_ATTENTION = "sdpa"
 
 # A pretrained student's positions are rotary (SmolLM2 reads 8,192, Gemma 3 32,768): 4,096 holds
 # any K = 64 example with four mentions in either tokenizer.
@@ -180,9 +185,10 @@ class DistillConfig:
         return heads_in_layers(n_head, list(range(n_layer // 2, n_layer)))
 
 
-def same_family(student: HookedModel, teacher: HookedModel) -> bool:
-    """Whether the student is of the teacher's architecture (its Hugging Face model class)."""
-    return student.cfg.architecture == teacher.cfg.architecture
+def same_family(student: PreTrainedModel, teacher: HookedModel) -> bool:
+    """Whether the student (a Hugging Face model) is of the teacher's architecture (its Hugging
+    Face model class)."""
+    return type(student).__name__ == teacher.cfg.architecture
 
 
 def distillation_items(
@@ -231,6 +237,7 @@ def cached_items(
     key = value_digest(
         {
             **{k: v for k, v in inputs.items() if k != "student init weights"},
+            "format": ITEMS_FORMAT,
             "tokenizer": value_digest(tokenizer.get_vocab()),
         }
     )
@@ -284,20 +291,24 @@ def tail_mean(values: Sequence[float], fraction: float = 0.1) -> float | None:
 
 
 def student_losses(
-    student_hf, student_bridge, batch, heads: Sequence[Head], precision: str
+    student_hf, adapter: Adapter, batch, heads: Sequence[Head], precision: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CoT loss, attention loss) of one batch from one forward pass of the bridged student."""
+    """(CoT loss, attention loss) of one batch from one forward pass of the student (`adapter`:
+    the adapter of its Hugging Face model, through which the event rows are computed)."""
     store: dict[int, torch.Tensor] = {}
     with (
-        student_bridge.hooks(fwd_hooks=pattern_recorder([layer for layer, _ in heads], store)),
+        residual_recorder(adapter, [layer for layer, _ in heads], store),
         autocast(precision),
     ):
         cot = output_loss(student_hf, batch.ids, batch.attention, batch.targets)
-        pooled = pooled_attention(store, heads, batch.query_positions)
+        pooled = event_attention(adapter, store, heads, batch.query_positions)
     return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)
 
 
-DISTILL_FORMAT = "distill-v2"  # bump when the training state's layout or meaning changes
+# bump when the training state's layout or meaning changes (v3: students train with
+# memory-efficient attention, the event rows computed apart)
+DISTILL_FORMAT = "distill-v3"
+ITEMS_FORMAT = "distill-v2"  # bump when the cached items' layout or meaning changes
 
 
 def distill_fingerprint(
@@ -346,7 +357,7 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
     if config.pretrained:
         return pretrained_student(config, resume_from=out_dir), state
     model, _ = load_hf_model(
-        out_dir, dtype=precision_dtype(config.precision), attn_implementation="eager"
+        out_dir, dtype=precision_dtype(config.precision), attn_implementation=TRAINING_ATTENTION
     )
     return model, state
 
@@ -364,12 +375,11 @@ def pretrained_student(config: DistillConfig, resume_from: Path | None = None):
     """The pretrained base in the run's precision, with a trainable LoRA adapter (a peft model) or
     whole (``lora_r`` 0: full fine-tuning): resumed from `resume_from` (an interrupted run), started
     from ``config.student_init`` (a LoRA checkpoint of the same base, merged first for full
-    fine-tuning), or fresh (the adapter seeded by ``config.seed``). Eager attention: the bridge
-    records the patterns the attention loss reads."""
+    fine-tuning), or fresh (the adapter seeded by ``config.seed``)."""
     dtype = precision_dtype(config.precision)
     if resume_from is not None and not config.lora:
-        return load_hf_model(resume_from, dtype=dtype, attn_implementation="eager")[0]
-    base, _ = load_base_model(config.family, dtype=dtype, attn_implementation="eager")
+        return load_hf_model(resume_from, dtype=dtype, attn_implementation=TRAINING_ATTENTION)[0]
+    base, _ = load_base_model(config.family, dtype=dtype, attn_implementation=TRAINING_ATTENTION)
     source = resume_from if resume_from is not None else config.student_init
     if source is None:
         student = fresh_adapter(base, config.lora_r, config.seed) if config.lora else base
@@ -402,6 +412,7 @@ def initial_student(config: DistillConfig):
         student = with_context(
             load_base_student(config.student_init, config.family, dtype), config.n_ctx
         )
+        student.config._attn_implementation = TRAINING_ATTENTION
         architecture = student_architecture(student)
         differing = {k: v for k, v in architecture.items() if getattr(config, k) != v}
         if differing:
@@ -421,7 +432,7 @@ def initial_student(config: DistillConfig):
         n_kv_head=config.n_kv_head,
         n_ctx=config.n_ctx,
     )
-    return build_student(hf_config, config.seed).to(dtype)
+    return build_student(hf_config, config.seed, TRAINING_ATTENTION).to(dtype)
 
 
 def distill(
@@ -448,7 +459,6 @@ def distill(
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     tokenizer = student_tokenizer(config)
-    dtype = precision_dtype(config.precision)
     torch.manual_seed(config.seed)
     fingerprint = distill_fingerprint(config, examples, heads_by_kind)
     resumed = _resume(out_dir, config, fingerprint)
@@ -462,16 +472,18 @@ def distill(
     # weights (the fused one then gets no gradient), which would inflate the count.
     n_params = sum(p.numel() for p in student.parameters() if p.requires_grad)
     n_params_total = sum(p.numel() for p in student.parameters())
-    # a peft student is bridged through its wrapped model, adapters included (bridged in place)
-    bridge = to_bridge(student.get_base_model() if config.lora else student, tokenizer, dtype=dtype)
-    bridge.train()
-    heads = validate_heads(
-        bridge,
+    # a peft student is read through its wrapped model, adapters included
+    hf_student = student.get_base_model() if config.lora else student
+    adapter = adapter_for(hf_student)
+    student.train()
+    shape = (adapter.n_layers, adapter.n_heads)
+    heads = checked_heads(
         config.student_heads(
-            n_layers_heads(bridge),
-            n_layers_heads(teacher) if same_family(bridge, teacher) else None,
+            shape,
+            n_layers_heads(teacher) if same_family(hf_student, teacher) else None,
             [head for kind_heads in heads_by_kind.values() for head in kind_heads],
         ),
+        *shape,
     )
     if resumed is not None:
         trained_with = [tuple(h) for h in read_metadata(out_dir).get("student_heads", heads)]
@@ -580,7 +592,7 @@ def distill(
             [items[i] for i in batch_indices(step, config.batch_size, len(items), config.seed)],
             tokenizer.pad_token_id,
         )
-        cot, attention = student_losses(student, bridge, batch, heads, config.precision)
+        cot, attention = student_losses(student, adapter, batch, heads, config.precision)
         loss = cot + config.effective_weight * attention
         has_events = bool(batch.event_mask.any())
         for name, value in (
