@@ -2,7 +2,7 @@
 teacher-forced scores it gives on a few held-out examples, recorded so that a fresh clone can
 check that the adapter it loads is the one that was evaluated.
 
-``python -m mistill_lens.distill.shipping RUN_DIR DEST`` (a finished ``distill`` run with a LoRA
+``python benchmarks/distill/ship_student.py RUN_DIR DEST`` (a finished ``distill`` run with a LoRA
 student; ``DEST`` a new folder, e.g. ``mistill_lens/assets/students/smollm2-cot-fp32-master-0``).
 The base weights stay in their package; the tokenizer is the base's (not copied: a LoRA
 checkpoint without one loads its base's). The optimizer state is left behind.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from mistill_lens import task
@@ -81,9 +80,3 @@ def ship_student(run_dir: str | Path, dest: str | Path) -> Path:
     (staging / REFERENCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     commit_staged(dest)
     return dest
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m mistill_lens.distill.shipping RUN_DIR DEST")
-    print(ship_student(sys.argv[1], sys.argv[2]))
