@@ -343,7 +343,8 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
         initial_student,
         student_losses,
     )
-    from mistill_lens.models.checkpoints import load_model, to_bridge
+    from mistill_lens.lens.adapters import adapter_for
+    from mistill_lens.models.checkpoints import load_model
     from mistill_lens.models.students import autocast, context_length, family_tokenizer
     from mistill_lens.training.loop import make_optimizer, output_loss
 
@@ -362,10 +363,10 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
     items, _ = distillation_items(
         examples, teacher, teacher_tokenizer, tokenizer, heads_by_kind, context_length(student)
     )
-    bridge = to_bridge(student, tokenizer)
-    bridge.train()
+    adapter = adapter_for(student)
+    student.train()
     heads = config.student_heads(
-        (bridge.cfg.n_layers, bridge.cfg.n_heads),
+        (adapter.n_layers, adapter.n_heads),
         (teacher.cfg.n_layers, teacher.cfg.n_heads),
         [h for hs in heads_by_kind.values() for h in hs],
     )
@@ -382,7 +383,7 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
             with autocast(config.precision):
                 loss = output_loss(student, batch.ids, batch.attention, batch.targets)
         else:
-            cot, attention = student_losses(student, bridge, batch, heads, config.precision)
+            cot, attention = student_losses(student, adapter, batch, heads, config.precision)
             loss = cot + config.effective_weight * attention
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -402,7 +403,8 @@ def distill_step_benchmark(
     family: str = "llama", steps: int = 6, batch_size: int = 4, seed: int = 0
 ) -> dict[str, Any]:
     """A MISTILL step (chain-of-thought loss + attention supervision at the decision events,
-    through the bridged student's pattern hooks) against a plain CoT step on the same batches,
+    through the event rows recomputed from the recorded residuals) against a plain CoT step on the
+    same batches,
     each objective in a fresh process: `time_ratio` and `memory_ratio` (peak resident memory)."""
     import multiprocessing
 
