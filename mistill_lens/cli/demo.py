@@ -12,67 +12,70 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import ModuleType
 
-from mistill_lens.cli.arguments import POSITIVE_INT, SEED
+from mistill_lens.cli.arguments import POSITIVE_INT, SEED, parse_command
 
 BASE_STUDENT = Path(__file__).resolve().parents[2] / "checkpoints" / "base_students" / "llama"
 
 
-def add_demo_parser(sub) -> None:
-    demo = sub.add_parser(
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
         "demo",
         help="the main job on the shipped defaults: accuracy, characterisation, a short MISTILL "
         "vs CoT run, the HTML report, a one-screen summary",
     )
-    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    demo.add_argument(
+    parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    parser.add_argument(
         "--model", default="default", help="teacher: checkpoint folder, 'default' or 'tiny'"
     )
-    demo.add_argument("--seed", type=SEED, default=0, help="seed of every stage (default 0)")
-    demo.add_argument(
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of every stage (default 0)")
+    parser.add_argument(
         "--n-eval",
         type=POSITIVE_INT,
         default=20,
         help="held-out examples for accuracy (20; the teacher's recorded figure is on 100)",
     )
-    demo.add_argument(
+    parser.add_argument(
         "--n-characterize",
         type=POSITIVE_INT,
         default=4,
         help="held-out examples characterised (4: ~30 decided events at K = 64; 12 in docs)",
     )
-    demo.add_argument(
+    parser.add_argument(
         "--distill-steps",
         type=POSITIVE_INT,
         default=60,
         help="steps of each short distillation run (60; the paper-scale runs: docs/distill.md)",
     )
-    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
-    demo.set_defaults(func=run_demo, resume_hint="each finished stage is kept in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run, resume_hint="each finished stage is kept in --out")
 
 
-def run_demo(args: argparse.Namespace) -> dict:
-    from mistill_lens.cli import build_parser
+def run(args: argparse.Namespace) -> dict:
+    import mistill_lens.cli.characterize as characterize
+    import mistill_lens.cli.distill as distill
+    import mistill_lens.cli.evaluate as evaluate
     from mistill_lens.report import write_report
     from mistill_lens.runs import claim_run_dir
 
     out = claim_run_dir(args.out, "demo")
-    parser = build_parser()
     quiet = ["--no-progress"] if args.no_progress else []
     common = ["--seed", str(args.seed), *quiet]
 
-    def stage(title: str, argv: list[str]):
+    def stage(title: str, command: ModuleType, argv: list[str]):
         print(f"\n== {title}\n$ mistill-lens {' '.join(argv)}", flush=True)
-        parsed = parser.parse_args(argv)
-        return parsed.func(parsed)
+        return command.run(parse_command(command, argv))
 
     scores = stage(
         "1/4 the teacher's accuracy on held-out examples (gold codes never seen in training)",
+        evaluate,
         ["evaluate", "--model", args.model, "--split", "heldout", "--n", str(args.n_eval), *common],
     )
     characterization = out / "characterization"
     summary = stage(
         "2/4 which heads decide: the characterisation",
+        characterize,
         [
             "characterize",
             "--model",
@@ -94,6 +97,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         stage(
             f"3/4 a SHORT distillation run ({args.distill_steps} steps, {objective}) into the "
             "shipped base student",
+            distill,
             [
                 "distill",
                 "--teacher",

@@ -1,4 +1,4 @@
-"""The ``distill`` and ``distill-report`` commands: teacher generations (cached), the teacher's
+"""The ``distill`` command: teacher generations (cached), the teacher's
 characterised head set (cached), training, then evaluation of the student.
 
 Heavy modules are imported inside the commands so that building the parser stays fast."""
@@ -76,7 +76,7 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(heads)
 
 
-def run_distill(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_traces
     from mistill_lens.distill.evaluation import EVALUATION_FILE, evaluate_run
@@ -190,8 +190,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     return result
 
 
-def add_distill_parsers(sub) -> None:
-    """Register ``distill`` and ``distill-report`` on an argparse subparsers object."""
+def add_parser(sub) -> None:
     parser = sub.add_parser(
         "distill",
         help="distil the teacher into a student (CoT or MISTILL; resumable), then evaluate it",
@@ -326,25 +325,4 @@ def add_distill_parsers(sub) -> None:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (model loading included)"
     )
-    parser.set_defaults(
-        func=run_distill, resume_hint="the student's checkpoints so far are kept in --out"
-    )
-
-    report = sub.add_parser(
-        "distill-report", help="table and figure over distillation runs; prints a JSON summary last"
-    )
-    report.add_argument(
-        "--runs", nargs="+", required=True, help="student run folders (each with evaluation.json)"
-    )
-    report.add_argument(
-        "--out", required=True, help="report folder (new, empty, or an earlier report's)"
-    )
-    report.set_defaults(func=run_report)
-
-
-def run_report(args: argparse.Namespace) -> dict:
-    from mistill_lens.distill.report import write_report
-
-    summary = write_report(args.runs, args.out)
-    print(json.dumps(summary))
-    return summary
+    parser.set_defaults(func=run, resume_hint="the student's checkpoints so far are kept in --out")

@@ -85,6 +85,15 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
     """Write `result`'s tables, `heads.json`, figures and, last, `summary.json` into `out_dir`
     (claimed as a characterisation folder; earlier derived files are replaced)."""
     out_dir = prepare_output(out_dir)
+    write_results(result, out_dir)
+    return out_dir
+
+
+def write_results(result: Characterization, out_dir: Path) -> dict:
+    """:func:`write_characterization` into a folder :func:`prepare_output` has already claimed and
+    cleared (a command claims its folder once, when its run starts); returns the summary written.
+    A sweep table the run's own sweep left in place (same rows, with its fingerprint) is kept as
+    it is, not written a second time."""
     tables = {
         "sweep.csv": result.sweep,
         "sweep_null.csv": result.null_sweep,
@@ -96,7 +105,8 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
         "ablation_curve.csv": result.ablation_curve,
     }
     for name in RESUMABLE_FILES:
-        _forget_other_sweep(out_dir / name, tables[name])
+        if _sweep_in_place(out_dir / name, tables[name]):
+            del tables[name]
     for name, table in tables.items():
         if table is not None:
             table.to_csv(out_dir / name, index=False)
@@ -106,8 +116,9 @@ def write_characterization(result: Characterization, out_dir: str | Path) -> Pat
     (out_dir / "figures").mkdir()
     for name, figure in characterization_figures(result).items():
         plot.write_figure(figure, out_dir / "figures" / f"{name}.html")
-    (out_dir / SUMMARY).write_text(json.dumps(result.summary(), indent=2))
-    return out_dir
+    summary = result.summary()
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
@@ -147,18 +158,17 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
     return {name: plot.with_warnings(fig, result.warnings) for name, fig in figures.items()}
 
 
-def _forget_other_sweep(path: Path, table: pd.DataFrame) -> None:
-    """A sweep table already at `path` (with its fingerprint) that is not `table` came from another
-    run: its fingerprint goes, so that the table written now is never resumed as that run's."""
+def _sweep_in_place(path: Path, table: pd.DataFrame) -> bool:
+    """Whether `path` already holds `table` as its finished sweep (with its fingerprint). A table
+    there that is not `table` came from another run: its fingerprint goes, so that the table
+    written now is never resumed as that run's."""
     fingerprint = path.with_name(path.name + ".fingerprint.json")
     if not fingerprint.exists():
-        return
-    if path.exists():
-        order = ["layer", "head", "event_row"]
-        here = read_table(path).sort_values(order, ignore_index=True)
-        if here.equals(table.sort_values(order, ignore_index=True)):
-            return
+        return False
+    if path.exists() and read_table(path).equals(table):
+        return True
     fingerprint.unlink()
+    return False
 
 
 def read_characterization(out_dir: str | Path) -> Characterization:

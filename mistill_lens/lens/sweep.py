@@ -203,7 +203,10 @@ def ablation_sweep(
                 frames.append(rows)
                 bar.update(1)
     table = pd.concat([f for f in frames if len(f)], ignore_index=True)
-    return table.sort_values(["layer", "head", "event_row"], ignore_index=True)
+    table = table.sort_values(["layer", "head", "event_row"], ignore_index=True)
+    if out_path is not None:  # finished: the table in its final order, written by its owner once
+        table.to_csv(out_path, index=False)
+    return table
 
 
 def read_table(path: str | Path) -> pd.DataFrame:
