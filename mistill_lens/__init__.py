@@ -4,111 +4,46 @@ The notebook surface, one import away::
 
     import mistill_lens as ml
     model, tokenizer = ml.load_model("default")            # the shipped teacher, as a TransformerBridge
-    encoded = [ml.events_from_spans(x, tokenizer, i) for i, x in enumerate(examples)]
-    batch = ml.make_event_batch(encoded)
-    hooks = ml.mean_ablation_hooks(model, [(3, 3)], means, ml.event_position_classes(batch, means.class_names))
+    batch = ml.make_event_batch(ml.encode(examples, tokenizer))
+    means = ml.means_from_events(model, ml.make_event_batch(ml.encode(reference, tokenizer)))
+    hooks = ml.mean_ablation_hooks(model, ["L23H3"], means, ml.event_position_classes(batch, means.class_names))
     ml.run_margins(model, batch, hooks)
     found = ml.characterize(model, tokenizer, examples, reference)   # a Characterization
     found.circuits, found.summary(), ml.write_characterization(found, "runs/mine")
 
-Names load lazily (importing the package stays cheap); ``dir(mistill_lens)`` lists them. The wings:
-``lens`` (task-free toolkit), ``models``, ``task`` (the ICD task), ``training``, ``distill``, ``cli``.
+These names (``ml.__all__``, listed in the README) load lazily: importing the package stays cheap.
+Everything else lives in the wings, themselves attributes of the package: ``ml.lens`` (the
+task-free toolkit, one module per concept: ``ml.lens.sweep``, ``ml.lens.circuits``, ...),
+``ml.models``, ``ml.task`` (the ICD task), ``ml.training``, ``ml.distill``.
 """
 
 from importlib import import_module
 
 _API = {
-    "mistill_lens.models.checkpoints": (
-        "load_model",
-        "read_metadata",
-        "resolve",
-        "load_hf_model",
-        "to_bridge",
-        "save_checkpoint",
-        "CheckpointError",
-    ),
-    "mistill_lens.lens.events": (
-        "DecisionEvent",
-        "EncodedExample",
-        "EventBatch",
-        "events_from_spans",
-        "events_from_generation",
-        "make_event_batch",
-        "decision_margins",
-        "margin_fraction",
-        "decided_rows",
-        "position_class_names",
-    ),
+    "mistill_lens.models.checkpoints": ("load_model",),
+    "mistill_lens.lens.characterize": ("characterize", "encode"),
+    "mistill_lens.lens.results": ("CharacterizeConfig", "Characterization"),
+    "mistill_lens.lens.outputs": ("write_characterization", "read_characterization"),
+    "mistill_lens.lens.examples": ("read_examples", "SpanExample"),
+    "mistill_lens.lens.events": ("DecisionEvent", "EventBatch", "make_event_batch"),
+    "mistill_lens.lens.backends": ("means_from_events",),
     "mistill_lens.lens.hooks": (
         "HeadMeans",
         "mean_ablation_hooks",
         "ablate_all_but_hooks",
         "knock_in_hooks",
-        "gather_at_positions",
-        "attribution_scores",
-        "compute_head_means",
         "event_position_classes",
-        "collect_z",
+        "attribution_scores",
         "run_margins",
-        "all_heads",
-        "validate_heads",
-        "row_head_ablation_hooks",
     ),
-    "mistill_lens.lens.engine": ("InterventionEngine", "EngineMismatch", "event_view"),
-    "mistill_lens.lens.backends": (
-        "means_from_events",
-        "EngineFallbackWarning",
-        "EngineUnsupported",
-        "FullForward",
-        "backend_for",
-    ),
-    "mistill_lens.lens.calibration": ("Calibration", "calibrate", "null_events"),
-    "mistill_lens.lens.sweep": (
-        "ablation_sweep",
-        "ablated_margins",
-        "clean_margins",
-        "chunked_margins",
-        "effects_tensor",
-    ),
-    "mistill_lens.lens.circuits": (
-        "select_circuit",
-        "circuit_report",
-        "CircuitReport",
-        "necessity",
-        "sufficiency",
-        "knock_in_transfer",
-        "knock_in_donors",
-        "ablation_curve",
-        "phase_structure",
-        "family_targets",
-        "attention_mass",
-        "head_families",
-    ),
-    "mistill_lens.lens.elicitation": (
-        "elicitation_curve",
-        "elicitation_lead",
-        "carrying_heads",
-        "top_heads",
-    ),
-    "mistill_lens.lens.characterize": ("characterize", "encode", "reference_means"),
-    "mistill_lens.lens.results": ("CharacterizeConfig", "Characterization"),
-    "mistill_lens.lens.outputs": ("write_characterization", "read_characterization"),
-    "mistill_lens.lens.examples": ("read_examples", "SpanExample", "SpanEvent"),
-    "mistill_lens.lens.plot": (
-        "head_map_figure",
-        "ablation_curve_figure",
-        "attention_families_figure",
-        "elicitation_figure",
-        "event_margins_figure",
-        "attention_row_figure",
-        "token_labels",
-        "write_figure",
-    ),
-    "mistill_lens.task.characterize": ("characterize_task", "task_examples"),
-    "mistill_lens.task.examples": ("generate_examples",),
-    "mistill_lens.distill.teacher": ("teacher_characterization", "teacher_task_config"),
+    "mistill_lens.lens.engine": ("InterventionEngine",),
+    "mistill_lens.lens.sweep": ("ablation_sweep",),
+    "mistill_lens.lens.calibration": ("calibrate", "null_events"),
+    "mistill_lens.lens.circuits": ("circuit_report",),
+    "mistill_lens.lens.plot": ("head_map_figure", "write_figure"),
+    "transformer_lens.utilities": ("get_act_name",),  # hook names, as TransformerLens spells them
 }
-_API["transformer_lens.utilities"] = ("get_act_name",)  # hook names, as TransformerLens spells them
+_WINGS = ("lens", "models", "task", "training", "distill")
 _WHERE = {name: module for module, names in _API.items() for name in names}
 __all__ = sorted(_WHERE)
 
@@ -116,10 +51,17 @@ __all__ = sorted(_WHERE)
 def __getattr__(name: str):
     if name in _WHERE:
         value = getattr(import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'mistill_lens' has no attribute {name!r}")
+    elif name in _WINGS:
+        value = import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(
+            f"module 'mistill_lens' has no attribute {name!r}: the public names are in "
+            f"mistill_lens.__all__; the rest lives in the wings {', '.join(_WINGS)} "
+            "(e.g. mistill_lens.lens.sweep)"
+        )
+    globals()[name] = value
+    return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_WINGS))

@@ -11,3 +11,7 @@ in `mistill_lens.cli.distill`.
 from mistill_lens.models import FAMILIES, PRECISIONS  # noqa: F401  (re-exported: the distill options)
 
 OBJECTIVES = ("cot", "mistill")
+
+from mistill_lens.namespace import lazy_submodules  # noqa: E402
+
+__getattr__ = lazy_submodules(__name__, __file__)
