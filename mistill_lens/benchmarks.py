@@ -61,7 +61,7 @@ def _events(
     if longest > context:
         raise ValueError(
             f"K={k} examples reach {longest} tokens, beyond the model's {context}-token context; "
-            "use a smaller --k or a model with longer positions"
+            "use a smaller k or a model with longer positions"
         )
     events = [e for x in encoded for e in x.events][:max_events]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

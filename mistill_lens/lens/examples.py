@@ -37,13 +37,19 @@ REQUIRED_EVENT_FIELDS = ("kind", "start", "end", "chosen", "contrast")
 
 @dataclass(frozen=True)
 class SpanEvent:
+    """A decision in an example's text: ``(prompt + output)[start:end] == chosen``, where the model
+    could have written `contrast` instead. `kind` is any name (kinds are data); `mention` is an
+    index the task uses to find what the event refers to (-1: none); `region` is text whose
+    occurrences in the prompt are the decision's candidate region, for head families ("": none).
+    The ICD task's gold events are of this type too."""
+
     kind: str
     start: int
     end: int
     chosen: str
     contrast: str
-    region: str = ""
     mention: int = -1
+    region: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,8 @@ def _example(row: Any) -> SpanExample:
                 end,
                 event["chosen"],
                 event["contrast"],
-                str(event.get("region", "")),
-                int(event.get("mention", -1)),
+                mention=int(event.get("mention", -1)),
+                region=str(event.get("region", "")),
             )
         )
     return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"))

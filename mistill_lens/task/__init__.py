@@ -20,7 +20,6 @@ from mistill_lens.task.examples import (  # noqa: F401
     REJECTION_REASONS,
     SPLITS,
     TRACE_LINE,
-    Event,
     Example,
     Mention,
     TraceLine,

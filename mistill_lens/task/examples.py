@@ -4,7 +4,7 @@ An example is a prompt (a short discharge summary with 1-4 codable conditions, n
 filler findings, then ``K`` candidate lines ``code: description``) and an output (a reasoning
 trace: per mention the region, a near-miss named and rejected with a reason, the code; then
 the final code list). The generator records every decision in the output as an
-:class:`Event` with character offsets into ``prompt + output``.
+:class:`~mistill_lens.lens.examples.SpanEvent` with character offsets into ``prompt + output``.
 
 Splits: ``train`` and ``validation`` draw gold codes from the 4/5 of codes outside the fixed
 held-out partition (:func:`mistill_lens.task.icd.is_heldout_code`); ``heldout`` draws gold codes only
@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from mistill_lens.lens.examples import SpanEvent
 from mistill_lens.lens.examples import read_jsonl as read_jsonl_rows
 from mistill_lens.task.icd import (
     DEFAULT_UNIVERSE_SIZE,
@@ -73,20 +74,6 @@ _TRACE_LINE_RE = re.compile(
 
 
 @dataclass(frozen=True)
-class Event:
-    """A gold decision: ``text[start:end] == chosen`` where ``text = prompt + output``; `region`
-    is the ICD category the decision is about (its candidates are that region's lines)."""
-
-    kind: str
-    start: int
-    end: int
-    chosen: str
-    contrast: str
-    mention: int
-    region: str = ""
-
-
-@dataclass(frozen=True)
 class Mention:
     text: str
     code: str
@@ -103,7 +90,7 @@ class Example:
     gold_codes: tuple[str, ...]
     candidates: tuple[str, ...]
     mentions: tuple[Mention, ...]
-    events: tuple[Event, ...]
+    events: tuple[SpanEvent, ...]
     negated_codes: tuple[str, ...] = field(default=())
 
     @property
@@ -123,7 +110,7 @@ class Example:
             gold_codes=tuple(row["gold_codes"]),
             candidates=tuple(row["candidates"]),
             mentions=tuple(Mention(**m) for m in row["mentions"]),
-            events=tuple(Event(**e) for e in row["events"]),
+            events=tuple(SpanEvent(**e) for e in row["events"]),
             negated_codes=tuple(row.get("negated_codes", ())),
         )
 
@@ -277,7 +264,7 @@ def build_example(
     prompt = render_prompt([s for s, _ in statements], candidates, universe)
     output = ""
     mentions: list[Mention] = []
-    events: list[Event] = []
+    events: list[SpanEvent] = []
     for index, code in enumerate(ordered_gold):
         near_miss = _first_in(candidates, universe.near_misses(code))
         relation = universe.near_miss_relation(code, near_miss)
@@ -301,49 +288,49 @@ def build_example(
             or near_miss
         )
         events.append(
-            Event(
+            SpanEvent(
                 "region",
                 region_start,
                 region_start + len(region),
                 region,
                 region_contrast,
-                index,
-                region,
+                region=region,
+                mention=index,
             )
         )
         events.append(
-            Event(
+            SpanEvent(
                 "within",
                 suffix_start,
                 suffix_start + len(suffix_of(code)),
                 suffix_of(code),
                 suffix_of(within_rival),
-                index,
-                region,
+                region=region,
+                mention=index,
             )
         )
         if relation == "sibling":
             events.append(
-                Event(
+                SpanEvent(
                     "near_miss",
                     suffix_start,
                     suffix_start + len(suffix_of(code)),
                     suffix_of(code),
                     suffix_of(near_miss),
-                    index,
-                    region,
+                    region=region,
+                    mention=index,
                 )
             )
         else:
             events.append(
-                Event(
+                SpanEvent(
                     "near_miss",
                     code_start,
                     code_start + len(region),
                     region,
                     region_of(near_miss),
-                    index,
-                    region,
+                    region=region,
+                    mention=index,
                 )
             )
         mentions.append(

@@ -26,14 +26,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens.lens.examples import SpanExample
+from mistill_lens.lens.examples import SpanEvent, SpanExample
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.models.generate import greedy_text
 from mistill_lens.task.examples import (
     CANDIDATES_HEADER,
     PROMPT_HEADER,
     REASONING_HEADER,
-    Event,
 )
 from mistill_lens.task.zero_shot import code_events
 
@@ -210,7 +209,7 @@ def written_code_events(
     prompt: str,
     output: str,
     candidates: Sequence[str],
-) -> tuple[Event, ...]:
+) -> tuple[SpanEvent, ...]:
     """For every candidate code the model wrote in `output`: its category decision (``region``,
     against the other candidates' categories) and its part after the dot (``within``, against
     the same category's other candidates), each against the contrast it preferred least

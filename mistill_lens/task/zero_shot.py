@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mistill_lens import task
 from mistill_lens.lens.events import events_from_spans
+from mistill_lens.lens.examples import SpanEvent
 from mistill_lens.lens.model_types import Tokenizer
 from mistill_lens.models.bridge import to_bridge
 from mistill_lens.models.generate import verified_greedy
@@ -74,7 +75,7 @@ class ZeroShotExample:
     gold_code: str
     candidates: tuple[str, ...]
     answer: str | None  # the code the model wrote, None if it wrote none
-    events: tuple[task.Event, ...]
+    events: tuple[SpanEvent, ...]
 
     @property
     def correct(self) -> bool:
@@ -133,7 +134,7 @@ def _departure(
 ):
     """The pipeline's placement of one candidate event (None where chosen and contrast tokenize
     the same after the prefix)."""
-    event = task.Event(kind, start, start + len(chosen), chosen, contrast, 0, region)
+    event = SpanEvent(kind, start, start + len(chosen), chosen, contrast, mention=0, region=region)
     try:
         encoded = events_from_spans(
             {"prompt": prompt, "output": output, "events": [event]}, tokenizer, 0
@@ -153,7 +154,7 @@ def strongest_contrast_event(
     chosen: str,
     contrasts: Sequence[str],
     region: str = "",
-) -> task.Event | None:
+) -> SpanEvent | None:
     """The event against the contrast with the smallest margin at its departure token."""
     scored = []
     for contrast in dict.fromkeys(c for c in contrasts if c != chosen):
@@ -174,7 +175,7 @@ def code_events(
     start: int,
     code: str,
     candidates: Sequence[str],
-) -> tuple[task.Event, ...]:
+) -> tuple[SpanEvent, ...]:
     """The decisions in writing `code` at character `start` of ``prompt + output``: its region
     (against the candidates' regions) and, for a code with a dot, its within-region part (against
     the region's other candidates), each against its strongest contrast."""
@@ -216,7 +217,7 @@ def answer_events(
     prompt: str,
     output: str,
     candidates: Sequence[str],
-) -> tuple[str | None, tuple[task.Event, ...]]:
+) -> tuple[str | None, tuple[SpanEvent, ...]]:
     """The code the model wrote and its region / within events against the candidates."""
     parsed = parse_answer(output)
     if parsed is None:
