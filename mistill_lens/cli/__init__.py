@@ -71,7 +71,8 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from mistill_lens.training.loop import TrainConfig, train
+    from mistill_lens.training.config import TrainConfig
+    from mistill_lens.training.loop import train
 
     if (args.role == "student") != (args.student is not None):
         raise ValueError(

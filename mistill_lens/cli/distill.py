@@ -84,7 +84,7 @@ def run_distill(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.training import DistillConfig, distill
     from mistill_lens.models.checkpoints import load_model, resolve, weights_digest
     from mistill_lens.runs import claim_run_dir
-    from mistill_lens.training.loop import claim_checkpoint_dir
+    from mistill_lens.training.checkpoint_state import claim_checkpoint_dir
 
     teacher_dir = resolve(args.teacher)
     out = Path(args.out)
