@@ -32,7 +32,7 @@ def longest_item(family: str):
     from mistill_lens.distill.attention import DistillItem
     from mistill_lens.lens.events import events_from_spans
     from mistill_lens.models.checkpoints import base_tokenizer
-    from mistill_lens.training.loop import encode
+    from mistill_lens.training.data import encode
 
     if family == "smollm2":
         files = sorted(CACHE.glob("items-*.pt"))

@@ -20,7 +20,8 @@ from mistill_lens.distill.training import DistillConfig, pretrained_student, stu
 from mistill_lens.lens.adapters import adapter_for
 from mistill_lens.lens.events import events_from_spans
 from mistill_lens.models.checkpoints import base_tokenizer
-from mistill_lens.training.loop import encode, make_optimizer
+from mistill_lens.training.data import encode
+from mistill_lens.training.loop import make_optimizer
 
 PRECISIONS = ("fp32", "fp32-master", "bf16")
 

@@ -54,7 +54,8 @@ from mistill_lens.runs import (
     finish_interrupted_commit,
     staging_dir,
 )
-from mistill_lens.training.loop import TrainConfig, train
+from mistill_lens.training.config import TrainConfig
+from mistill_lens.training.loop import train
 
 USER_TEXT = "my notes: do not delete\n"
 TINY_TRAIN = [

@@ -12,14 +12,11 @@ from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens.models.tokenizers import teacher_tokenizer
 from mistill_lens.task.examples import CANDIDATES_HEADER, REASONING_HEADER
 from mistill_lens.task.icd import region_of
-from mistill_lens.training.loop import (
-    TrainConfig,
-    build_model,
-    collate,
-    encode,
-    event_token_mask,
-    train,
-)
+from mistill_lens.training.checkpoint_state import TRAINING_STATE_FILE
+from mistill_lens.training.config import TrainConfig
+from mistill_lens.training.data import collate, encode, event_token_mask
+from mistill_lens.training.loop import train
+from mistill_lens.training.models import build_model
 
 TINY = TrainConfig(
     seed=3,
@@ -53,9 +50,7 @@ def test_loss_mask_covers_exactly_the_output_and_end_of_text():
 def test_a_tiny_teacher_learns(tmp_path):
     config = replace(TINY, steps=80, batch_size=4, n_layer=2, n_embd=64, checkpoint_every=80)
     metadata = train(config, tmp_path / "run", progress=False)
-    losses = torch.load(tmp_path / "run" / train_module.TRAINING_STATE_FILE, weights_only=False)[
-        "losses"
-    ]
+    losses = torch.load(tmp_path / "run" / TRAINING_STATE_FILE, weights_only=False)["losses"]
     assert metadata["step"] == 80 and len(losses) == 80
     # chance is ln(vocab) ~ 8.2; the trace's fixed wording alone is learnable within 80 steps
     assert losses[0] > 7.5
@@ -145,9 +140,7 @@ def test_a_base_student_trains_with_its_family_architecture_and_tokenizer(tmp_pa
     )
     metadata = train(config, tmp_path / "base", progress=False)
     model, tokenizer = load_hf_model(tmp_path / "base")
-    losses = torch.load(tmp_path / "base" / train_module.TRAINING_STATE_FILE, weights_only=False)[
-        "losses"
-    ]
+    losses = torch.load(tmp_path / "base" / TRAINING_STATE_FILE, weights_only=False)["losses"]
     assert metadata["role"] == "student" and model.config.model_type == family
     assert tokenizer.get_vocab() == family_tokenizer(family).get_vocab()
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0]  # ln(vocab) at the start
@@ -158,7 +151,7 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
     into the base with the same logits as the adapter model, a rerun resumes, and a truncated
     adapter is a clear error."""
     from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
-    from mistill_lens.training.loop import _lora_model
+    from mistill_lens.training.models import lora_model
 
     config = replace(
         TINY, base="smollm2", steps=1, batch_size=1, warmup_steps=1, k=4, n_layer=4, lr=1e-3
@@ -168,7 +161,7 @@ def test_a_lora_teacher_on_smollm2_saves_only_its_adapter_and_loads_merged(tmp_p
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
     assert metadata["n_params"] < 0.05 * metadata["n_params_total"]  # only the adapter trains
     merged, tokenizer = load_hf_model(tmp_path / "lora")
-    adapter = _lora_model(config, resume_from=tmp_path / "lora").eval()
+    adapter = lora_model(config, resume_from=tmp_path / "lora").eval()
     example = task.generate_examples(1, 0, "heldout", universe_size=300, k=4, max_mentions=1)[0]
     ids = torch.tensor([encode(tokenizer, example.prompt, example.output)[0]])
     with torch.no_grad():

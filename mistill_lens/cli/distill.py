@@ -84,14 +84,14 @@ def run(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.training import DistillConfig, distill
     from mistill_lens.models.checkpoints import load_model, resolve, weights_digest
     from mistill_lens.runs import claim_run_dir
-    from mistill_lens.training.loop import claim_checkpoint_dir
+    from mistill_lens.training.checkpoint_state import check_checkpoint_dir
 
     teacher_dir = resolve(args.teacher)
     out = Path(args.out)
     cache = Path(args.cache) if args.cache else out.parent / "distill_cache"
     task_config = teacher_task_config(teacher_dir)
     # refused up front, before any work: folders that are not this command's
-    claim_checkpoint_dir(out, "distill")
+    check_checkpoint_dir(out, "distill")  # claimed once, by the run itself
     claim_run_dir(cache, "distill-cache")
     progress = not args.no_progress
     teacher, teacher_tokenizer = load_model(teacher_dir)

@@ -114,7 +114,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from mistill_lens.training.loop import TrainConfig, train
+    from mistill_lens.training.config import TrainConfig
+    from mistill_lens.training.loop import train
 
     if (args.role == "student") != (args.student is not None):
         raise ValueError(

@@ -29,7 +29,7 @@ from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EncodedExample, events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import Head, HookPair, validate_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
-from mistill_lens.training.loop import collate, encode
+from mistill_lens.training.data import collate, encode
 
 PROBABILITY_FLOOR = 1e-30  # keeps log(student attention) finite where it underflows to zero
 
@@ -168,7 +168,8 @@ class DistillBatch:
 
 
 def collate_items(items: Sequence[DistillItem], pad_id: int) -> DistillBatch:
-    """Right-padded sequences (as `train.collate`) and event targets padded to the batch width."""
+    """Right-padded sequences (as `training.data.collate`) and event targets padded to the batch
+    width."""
     ids, attention, targets = collate([(item.ids, item.target_mask) for item in items], pad_id)
     n_events = max(1, max(len(item.query_positions) for item in items))
     query = torch.zeros(len(items), n_events, dtype=torch.long)

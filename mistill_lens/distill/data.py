@@ -30,7 +30,8 @@ from mistill_lens.lens.fingerprint import (
 from mistill_lens.lens.model_types import Tokenizer
 from mistill_lens.models.checkpoints import load_hf_model, weights_digest
 from mistill_lens.runs import file_digest
-from mistill_lens.training.loop import encode, target_logits
+from mistill_lens.training.data import encode
+from mistill_lens.training.loop import target_logits
 
 
 @torch.no_grad()

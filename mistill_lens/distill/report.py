@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
 from mistill_lens.lens.plot import write_figure
 from mistill_lens.runs import claim_run_dir, legacy_run
-from mistill_lens.training.loop import TRAINING_STATE_FILE
+from mistill_lens.training.checkpoint_state import TRAINING_STATE_FILE
 
 CELL = ["family", "objective", "precision"]
 METRICS = ["causal_recovery", "code_f1", "near_miss_acc"]

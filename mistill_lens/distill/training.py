@@ -67,16 +67,14 @@ from mistill_lens.models.students import (
     with_context,
 )
 from mistill_lens.options import check_options
-from mistill_lens.training.loop import (
-    RUN_OPTION_CHECKS,
+from mistill_lens.training.checkpoint_state import (
     TRAINING_STATE_FILE,
     claim_checkpoint_dir,
-    encode,
     load_training_state,
-    make_optimizer,
-    output_loss,
-    run_steps,
 )
+from mistill_lens.training.config import RUN_OPTION_CHECKS
+from mistill_lens.training.data import encode
+from mistill_lens.training.loop import make_optimizer, output_loss, run_steps
 
 # Students train with memory-efficient attention: the attention loss reads only the event rows,
 # computed apart (`event_attention`), so no layer materialises its [pos, pos] pattern.
