@@ -85,12 +85,12 @@ def characterization_section(found: Characterization, run: Path | str) -> str:
         [
             "kind",
             "decided events",
-            "circuit",
-            *MEASURES,
+            "own circuit (z rule, this kind alone)",
+            *(f"{m} of the global circuit" for m in MEASURES),
             *(f"coverage ({m})" for m in MEASURES),
         ],
         rows,
-    )
+    ) + (_measures_note(circuit) if found.circuit else "")
     facts = _table(
         ["", ""],
         [
@@ -121,6 +121,25 @@ def characterization_section(found: Characterization, run: Path | str) -> str:
         + "".join(_figure(fig) for fig in figures)
         + f"<p>Command:</p><pre>{html.escape(command)}</pre>"
         + f"<details><summary>summary.json</summary><pre>{html.escape(json.dumps(summary, indent=1))}</pre></details>"
+    )
+
+
+def _measures_note(circuit: str) -> str:
+    """What the per-kind numbers are of, and why a fraction can pass 1."""
+    return (
+        "<p class='note'>Necessity, sufficiency and knock-in are measured for the global circuit "
+        f"({html.escape(circuit)}: the union of the kinds' own circuits) on each kind's decided "
+        "events (means over events); necessity and sufficiency are fractions of the event's clean "
+        "margin; a kind whose own circuit is '-' "
+        "has no head of its own and is read on the global set. A fraction above 1 is not an "
+        "error: necessity above 1 means mean-ablating the circuit flips the decision (removes more "
+        "than the whole margin); sufficiency above 1 means the circuit alone gives a larger margin "
+        "than the full model (the other heads work against the choice); knock-in is the fraction "
+        "of the gap between the donor's margin for its choice and the recipient's margin for it "
+        "that writing the donor's circuit activations into the recipient closes, so above 1 it "
+        "overshoots: the recipient then prefers the donor's choice more than the donor did. "
+        "Coverage is the fraction of examples at or above each "
+        "measure's threshold.</p>"
     )
 
 

@@ -68,6 +68,8 @@ def test_the_report_opens_alone_offline_and_its_plots_render(characterised, tmp_
         and "(planted model)" in page
         and "decided events" in page
     )
+    # the per-kind numbers say whose they are, and a fraction above 1 is explained
+    assert "necessity of the global circuit" in page and "above 1 is not an error" in page
 
     dom = chromium(alone, "--dump-dom", user_data=tmp_path / "profile-dom").stdout
     # plotly drew every figure: two main SVG layers each (head maps, curve, families, elicitation,
