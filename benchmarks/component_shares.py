@@ -11,7 +11,8 @@ import mistill_lens as ml
 from mistill_lens.lens.characterize import REFERENCE_ID_OFFSET, encode
 from mistill_lens.lens.components import SITES, component_shares
 from mistill_lens.lens.engine import InterventionEngine
-from mistill_lens.lens.events import decided_rows, make_event_batch
+from mistill_lens.lens.events import make_event_batch
+from mistill_lens.lens.margins import decided_rows
 
 
 def main(n: int, seed: int, out: Path) -> None:

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from mistill_lens import task
-from mistill_lens.lens.backends import means_from_events
+from mistill_lens.lens.backends import ablated_margins, clean_margins, means_from_events
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import all_heads
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
-from mistill_lens.lens.sweep import ablated_margins, ablation_sweep, clean_margins, effects_tensor
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
 
 def _tl_patching_seconds(model: HookedModel, batch, rows: int, seed: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from planted import DECIDER, WITHIN, planted_examples
 from transformer_lens import TransformerBridge
 
 from mistill_lens import task
-from mistill_lens.lens.backends import EngineFallbackWarning, means_from_events
+from mistill_lens.lens.backends import EngineFallbackWarning, chunked_margins, means_from_events
 from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.circuits import attention_mass, knock_in_donors, knock_in_transfer, necessity
 from mistill_lens.lens.elicitation import carrying_heads, residuals_before
@@ -19,18 +19,13 @@ from mistill_lens.lens.engine import EngineUnsupported, InterventionEngine, even
 from mistill_lens.lens.events import events_from_spans, make_event_batch
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks,
-    attribution_scores,
     collect_z,
     event_position_classes,
     knock_in_hooks,
     mean_ablation_hooks,
-    run_margins,
 )
-from mistill_lens.lens.sweep import (
-    ablation_sweep,
-    chunked_margins,
-    effects_tensor,
-)
+from mistill_lens.lens.margins import attribution_scores, run_margins
+from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 from mistill_lens.models.checkpoints import load_model
 from mistill_lens.models.students import build_student, student_config
 from mistill_lens.models.tokenizers import student_tokenizer

@@ -7,7 +7,7 @@ import torch
 from test_engine import gqa_llama, task_batch
 
 from mistill_lens.lens.engine import EngineMismatch, InterventionEngine, unbridged
-from mistill_lens.lens.hooks import run_margins
+from mistill_lens.lens.margins import run_margins
 from mistill_lens.models.checkpoints import load_model
 
 

@@ -13,12 +13,10 @@ from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, make_event_batch
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks,
-    attribution_scores,
     event_position_classes,
     mean_ablation_hooks,
-    run_event_logits,
-    run_margins,
 )
+from mistill_lens.lens.margins import attribution_scores, run_event_logits, run_margins
 from mistill_lens.models.tokenizers import student_tokenizer
 
 CONFIGS = {

@@ -9,11 +9,8 @@ from mistill_lens import task
 from mistill_lens.lens.backends import means_from_events
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, make_event_batch
-from mistill_lens.lens.hooks import (
-    event_position_classes,
-    mean_ablation_hooks,
-    run_margins,
-)
+from mistill_lens.lens.hooks import event_position_classes, mean_ablation_hooks
+from mistill_lens.lens.margins import run_margins
 
 
 def gemma3_bridge():

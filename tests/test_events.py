@@ -6,14 +6,11 @@ from transformers import PreTrainedTokenizerFast
 
 from mistill_lens.lens.events import (
     candidate_token_ids,
-    decided_rows,
-    decision_margins,
     events_from_generation,
     events_from_spans,
     make_event_batch,
-    margin_fraction,
-    margins_at,
 )
+from mistill_lens.lens.margins import decided_rows, decision_margins, margin_fraction, margins_at
 from mistill_lens.models.generate import greedy_tokens
 
 

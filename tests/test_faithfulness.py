@@ -21,7 +21,8 @@ from mistill_lens.lens.faithfulness import (
     random_band,
     sufficiency_curve,
 )
-from mistill_lens.lens.hooks import all_heads, run_margins
+from mistill_lens.lens.hooks import all_heads
+from mistill_lens.lens.margins import run_margins
 
 
 @pytest.fixture(scope="module")

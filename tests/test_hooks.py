@@ -3,20 +3,19 @@ import torch
 from conftest import head_ablation_effects
 from planted import DEAD, DECIDER, GENERIC, GENERIC_GAIN, REGION_GAIN, WITHIN, WITHIN_GAIN
 
-from mistill_lens.lens.events import decision_margins, position_class_names
+from mistill_lens.lens.events import position_class_names
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks,
     all_heads,
-    attribution_scores,
     collect_z,
     compute_head_means,
     event_position_classes,
     gather_at_positions,
     knock_in_hooks,
     mean_ablation_hooks,
-    run_margins,
     validate_heads,
 )
+from mistill_lens.lens.margins import attribution_scores, decision_margins, run_margins
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +249,7 @@ def test_planted_knock_in_transfers_exactly_the_deciders_share(planted, planted_
     with torch.no_grad():
         logits = bridge.run_with_hooks(batch.tokens, fwd_hooks=hooks)
         clean_logits = bridge(batch.tokens)
-    from mistill_lens.lens.events import margins_at
+    from mistill_lens.lens.margins import margins_at
 
     donor_choice = (batch.predict_positions, batch.chosen[donors], batch.contrast[donors])
     before = margins_at(clean_logits, *donor_choice)

@@ -22,20 +22,19 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from mistill_lens import cli, task
 from mistill_lens.lens.backends import FullForward
 from mistill_lens.lens.characterize import CharacterizeConfig
-from mistill_lens.lens.events import make_event_batch, margins_at, position_class_names
+from mistill_lens.lens.events import make_event_batch, position_class_names
 from mistill_lens.lens.fingerprint import StaleResultError
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks,
     all_heads,
-    attribution_scores,
     compute_head_means,
     event_position_classes,
     gather_at_positions,
     knock_in_hooks,
     mean_ablation_hooks,
-    run_margins,
     validate_heads,
 )
+from mistill_lens.lens.margins import attribution_scores, margins_at, run_margins
 from mistill_lens.lens.sweep import ablation_sweep
 from mistill_lens.models.checkpoints import (
     load_hf_model,

@@ -15,9 +15,9 @@ pytest.importorskip("gguf", reason="GGUF support needs the extra: pip install -e
 from characterized import characterize_into  # noqa: E402
 
 from mistill_lens import task  # noqa: E402
+from mistill_lens.lens.backends import clean_margins  # noqa: E402
 from mistill_lens.lens.characterize import CharacterizeConfig  # noqa: E402
 from mistill_lens.lens.events import events_from_spans, make_event_batch  # noqa: E402
-from mistill_lens.lens.sweep import clean_margins  # noqa: E402
 from mistill_lens.models.generate import verified_greedy
 from mistill_lens.models.gguf import chat_prompt_ids  # noqa: E402
 from mistill_lens.task.zero_shot import (  # noqa: E402

@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from mistill_lens import task
-from mistill_lens.lens.backends import choose_backend
+from mistill_lens.lens.backends import choose_backend, clean_margins
 from mistill_lens.lens.characterize import REFERENCE_ID_OFFSET, encode, reference_means
 from mistill_lens.lens.circuits import necessity
-from mistill_lens.lens.events import decided_rows, kind_mask, make_event_batch
+from mistill_lens.lens.events import kind_mask, make_event_batch
 from mistill_lens.lens.hooks import Head, all_heads
+from mistill_lens.lens.margins import decided_rows
 from mistill_lens.lens.outputs import (
     SUMMARY,
     prepare_output,
@@ -38,7 +39,6 @@ from mistill_lens.lens.outputs import (
     write_characterization,
 )
 from mistill_lens.lens.results import CharacterizeConfig
-from mistill_lens.lens.sweep import clean_margins
 from mistill_lens.models.checkpoints import load_hf_model, load_model, read_metadata
 from mistill_lens.task.characterize import characterize_task, task_examples
 from mistill_lens.task.metrics import evaluate

@@ -9,12 +9,17 @@ them. Two backends implement it: the :class:`~mistill_lens.lens.engine.Intervent
 per batch of event rows, with TransformerLens hooks: the reference path, for any hooked model).
 :func:`backend_for` turns whatever an algorithm was given into a backend, :func:`choose_backend`
 makes (and records) the run's choice; no algorithm tests which backend it holds.
+
+The margins of a hooked model *or* a backend (:func:`chunked_margins`, :func:`clean_margins`,
+:func:`ablated_margins`) are answered here because answering them is this choice (with the
+engine's fallback to the full forward); the margins themselves are computed in
+:mod:`mistill_lens.lens.margins`, which the backends call into.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import einops
 import torch
@@ -29,18 +34,16 @@ from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
     HookPair,
-    attribution_scores,
+    HooksFor,
     collect_z,
     compute_head_means,
     event_position_classes,
     gather_at_positions,
     mean_ablation_hooks,
     row_set_ablation_hooks,
-    run_margins,
 )
+from mistill_lens.lens.margins import attribution_scores, run_margins_in_chunks
 from mistill_lens.lens.model_types import HookedModel, StandsIn
-
-HooksFor = Callable[[EventBatch], Sequence[HookPair]]
 
 
 class EngineFallbackWarning(UserWarning):
@@ -102,10 +105,7 @@ class FullForward(StandsIn):
         self.batch_size = batch_size
 
     def margins(self, batch, hooks_for, chunk=None):
-        size = chunk or self.batch_size
-        return torch.cat(
-            [run_margins(self.model, sub, hooks_for(sub)) for sub in batch.chunks(size)]
-        )
+        return run_margins_in_chunks(self.model, batch, hooks_for, chunk or self.batch_size)
 
     def sweep_groups(self, heads):
         return [[head] for head in heads]  # one forward per head
@@ -220,11 +220,14 @@ def means_from_events(
     return backend_for(model).head_means(batch, names)
 
 
-def event_margins(
+def chunked_margins(
     model: HookedModel | EventModel, batch: EventBatch, hooks_for: HooksFor, batch_size: int = 256
 ) -> Float[Tensor, "event"]:
-    """Margins over `batch` with `hooks_for(rows)`'s hooks, on the model's backend; hooks the engine
-    cannot apply (another hook point, other positions) run on the full forward, with a warning."""
+    """Margins over `batch` in row chunks of `batch_size`, `hooks_for(sub_batch)` building each
+    chunk's hooks, on the model's backend. On an
+    :class:`~mistill_lens.lens.engine.InterventionEngine` each chunk runs at decode cost on the
+    event-position view; hooks the engine cannot apply (another hook point, other positions) run on
+    the full forward, with a warning (:class:`EngineFallbackWarning`)."""
     backend = backend_for(model, batch_size)
     try:
         return backend.margins(batch, hooks_for, chunk=batch_size)
@@ -233,6 +236,35 @@ def event_margins(
             f"{err}: these margins ran on the full forward", EngineFallbackWarning, stacklevel=2
         )
         return FullForward(backend.model, batch_size).margins(batch, hooks_for)
+
+
+def ablated_margins(
+    model: HookedModel | EventModel,
+    batch: EventBatch,
+    means: HeadMeans,
+    heads: Iterable[Head],
+    batch_size: int = 256,
+) -> Float[Tensor, "event"]:
+    """Margins with `heads` mean-ablated at each event's predicting position (class = its kind)."""
+    heads = list(heads)
+    return chunked_margins(
+        model,
+        batch,
+        lambda sub: mean_ablation_hooks(
+            model, heads, means, event_position_classes(sub, means.class_names)
+        ),
+        batch_size,
+    )
+
+
+def clean_margins(
+    model: HookedModel | EventModel,
+    batch: EventBatch,
+    extra_hooks: Sequence[HookPair] = (),
+    batch_size: int = 256,
+) -> Float[Tensor, "event"]:
+    """The events' margins with no intervention (but `extra_hooks`, the same for every chunk)."""
+    return chunked_margins(model, batch, lambda sub: list(extra_hooks), batch_size)
 
 
 def choose_backend(

@@ -27,6 +27,7 @@ from mistill_lens.lens.backends import (
     backend_for,
     backend_record,
     choose_backend,
+    clean_margins,
     means_from_events,
 )
 from mistill_lens.lens.calibration import Calibration, calibrate, null_events
@@ -51,7 +52,6 @@ from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
     EventBatch,
-    decided_rows,
     events_from_spans,
     kind_mask,
     make_event_batch,
@@ -63,6 +63,7 @@ from mistill_lens.lens.hooks import (
     HeadMeans,
     all_heads,
 )
+from mistill_lens.lens.margins import decided_rows
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
 from mistill_lens.lens.results import (
     Characterization,
@@ -72,7 +73,6 @@ from mistill_lens.lens.results import (
 from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
     ablation_sweep,
-    clean_margins,
     effects_tensor,
 )
 

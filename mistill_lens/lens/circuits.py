@@ -16,14 +16,18 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mistill_lens.lens.backends import backend_for
+from mistill_lens.lens.backends import (
+    ablated_margins,
+    backend_for,
+    chunked_margins,
+    clean_margins,
+)
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.events import (
     DecisionEvent,
     EncodedExample,
     EventBatch,
     kind_mask,
-    margin_fraction,
     row_chunks,
 )
 from mistill_lens.lens.hooks import (
@@ -35,8 +39,8 @@ from mistill_lens.lens.hooks import (
     knock_in_hooks,
     validate_heads,
 )
+from mistill_lens.lens.margins import margin_fraction
 from mistill_lens.lens.model_types import HookedModel
-from mistill_lens.lens.sweep import ablated_margins, chunked_margins, clean_margins
 
 # --- selection -------------------------------------------------------------------------------
 

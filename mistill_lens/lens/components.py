@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from mistill_lens.lens.backends import event_margins
+from mistill_lens.lens.backends import chunked_margins
 from mistill_lens.lens.events import EventBatch, kind_mask
 from mistill_lens.lens.model_types import HookedModel
 
@@ -44,7 +44,7 @@ def output_means(
 
         return [(f"blocks.{layer}.{site}", keep(layer)) for layer in range(n_layers)]
 
-    event_margins(model, reference, hooks_for)
+    chunked_margins(model, reference, hooks_for)
     outputs = torch.stack([torch.cat(store[layer]) for layer in range(n_layers)], dim=1)
     means = []
     for kind in kinds:
@@ -97,7 +97,7 @@ def component_shares(
 
         return [(f"blocks.{layer}.{site}", hook(layer)) for layer in layers]
 
-    clean = event_margins(model, batch, lambda sub: [])
+    clean = chunked_margins(model, batch, lambda sub: [])
     out = []
     for kind in kinds:
         rows = kind_mask(batch.kinds, kind)
@@ -106,8 +106,8 @@ def component_shares(
         if base <= 0:
             raise ValueError(f"the mean clean margin of the {kind!r} events is {base:.3g}")
         for layer in range(n_layers):
-            single = event_margins(model, sub, lambda b, l=layer: replaced(b, [l]))
-            upto = event_margins(model, sub, lambda b, l=layer: replaced(b, range(l + 1)))
+            single = chunked_margins(model, sub, lambda b, l=layer: replaced(b, [l]))
+            upto = chunked_margins(model, sub, lambda b, l=layer: replaced(b, range(l + 1)))
             out.append(
                 {
                     "kind": kind,

@@ -24,7 +24,7 @@ it) and answers the questions the hook-based code asks of a full forward:
 What the engine accepts: hooks on ``blocks.{l}.attn.hook_z`` whose function maps an activation of
 shape [n, 1, head, d_head] (the events' predicting positions) to one of the same shape. A hook on
 another name, or one that changes other positions, needs the full forward: ``margins`` raises
-:class:`EngineUnsupported` and :func:`mistill_lens.lens.sweep.chunked_margins` then falls back to
+:class:`EngineUnsupported` and :func:`mistill_lens.lens.backends.chunked_margins` then falls back to
 the full forward with a warning. Models: GPT-2 and Llama-family causal LMs (grouped key/value
 heads and rotary positions included). The clean pass runs the Hugging Face model with memory-
 efficient attention (SDPA), so memory grows linearly in the context length.
@@ -46,7 +46,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache, PreTrainedModel
 
 from mistill_lens.lens.adapters import EngineUnsupported, adapter_for
-from mistill_lens.lens.events import EventBatch, margins_at, row_chunks
+from mistill_lens.lens.events import EventBatch, row_chunks
 from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
@@ -56,9 +56,9 @@ from mistill_lens.lens.hooks import (
     event_position_classes,
     row_head_ablation_hooks,
     row_set_ablation_hooks,
-    run_margins,
     z_hook_name,
 )
+from mistill_lens.lens.margins import decision_margins, row_margins, run_margins
 from mistill_lens.lens.model_types import StandsIn
 
 _Z_NAME = re.compile(r"^blocks\.(\d+)\.attn\.hook_z$")
@@ -347,7 +347,7 @@ class InterventionEngine(StandsIn):
         start = min(layer_hooks) if start is None else start
         with torch.no_grad():
             logits = self._run(self._groups(batch), len(batch), start, layer_hooks).float()
-        return _margins(logits, view)
+        return row_margins(logits, view)
 
     @torch.no_grad()
     def _full_forward_margins(self, batch: EventBatch, heads: list) -> Tensor:
@@ -376,7 +376,7 @@ class InterventionEngine(StandsIn):
         finally:
             for handle in handles:
                 handle.remove()
-        return margins_at(logits.float(), batch.predict_positions, batch.chosen, batch.contrast)
+        return decision_margins(logits.float(), batch)
 
     # --- the single-position recomputation ---------------------------------------------------
 
@@ -537,7 +537,7 @@ class InterventionEngine(StandsIn):
                 layer_hooks = self._layer_hooks(hooks_for(view, rows))
                 start = min(layer_hooks, default=self.n_layers - 1)
                 logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
-                margins[rows.start : rows.stop] = _margins(logits, view)
+                margins[rows.start : rows.stop] = row_margins(logits, view)
         return margins
 
     def residuals(
@@ -599,7 +599,7 @@ class InterventionEngine(StandsIn):
 
     def attribution(self, batch: EventBatch, means) -> Float[Tensor, "event layer head"]:
         """Gradient x (activation - class mean) of each event's margin per head, as
-        :func:`mistill_lens.lens.hooks.attribution_scores` computes it on the full forward, from
+        :func:`mistill_lens.lens.margins.attribution_scores` computes it on the full forward, from
         one single-position recomputation through every layer with a backward pass."""
         scores = torch.empty(len(batch), self.n_layers, self.n_heads)
         class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
@@ -616,7 +616,7 @@ class InterventionEngine(StandsIn):
             with torch.enable_grad():
                 logits = self._run(groups, len(sub), 0, {}, z_leaves=leaves).float()
                 grads = torch.autograd.grad(
-                    _margins(logits, event_view(sub)).sum(), list(leaves.values())
+                    row_margins(logits, event_view(sub)).sum(), list(leaves.values())
                 )
             act = self.event_z(sub)
             mean = einops.rearrange(
@@ -743,10 +743,6 @@ def _zero_heads_hooks(batch: EventBatch, heads: list) -> list[tuple[str, Callabl
         return fn
 
     return [(z_hook_name(layer), zero(hs)) for layer, hs in sorted(by_layer.items())]
-
-
-def _margins(logits: Float[Tensor, "n vocab"], view: EventBatch) -> Float[Tensor, "n"]:
-    return margins_at(logits[:, None, :], view.predict_positions, view.chosen, view.contrast)
 
 
 def _cache_tensors(cache, n_layers: int) -> tuple[list[Tensor], list[Tensor]]:

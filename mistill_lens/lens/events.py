@@ -1,4 +1,4 @@
-"""Decision events and decision margins.
+"""Decision events: their types, their encoding on a tokenizer, and their batches.
 
 A decision event is one token of the model's own tokenization where it picks between a chosen
 token and a competing token of the same kind. Events are built (a) from the task's gold character
@@ -7,7 +7,8 @@ spans through any fast tokenizer's offsets, or (b) from the model's own greedy g
 Every intervention runs on an `EventBatch`: one row per event, holding that event's context up to
 the position that predicts the event token. One event per row keeps effects independent (an
 ablation at one event's position can never leak into another event's margin) and lets one
-backward pass give every event its own gradient.
+backward pass give every event its own gradient. The events' margins are computed in
+:mod:`mistill_lens.lens.margins`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Int
 from torch import Tensor
 
 from mistill_lens.lens.model_types import HookedModel, Tokenizer
@@ -336,56 +337,3 @@ def make_event_batch(
     predict = torch.tensor([event.predict_position for event in chosen_events])
     chosen = torch.tensor([event.chosen_token for event in chosen_events])
     return EventBatch(tokens, predict, chosen, contrast, chosen_events)
-
-
-def margins_at(
-    logits: Float[Tensor, "event pos vocab"],
-    predict_positions: Int[Tensor, "event"],
-    chosen: Int[Tensor, "event"],
-    contrast: Int[Tensor, "event n_contrast"],
-) -> Float[Tensor, "event"]:
-    """logit(chosen) - max over contrasts of logit(contrast), at each row's predicting position."""
-    rows = torch.arange(logits.shape[0])
-    if int(predict_positions.max()) >= logits.shape[1] or int(predict_positions.min()) < 0:
-        raise IndexError(
-            f"predicting positions {predict_positions.tolist()} outside logits of length {logits.shape[1]}"
-        )
-    at_event = logits[rows, predict_positions]  # [event, vocab]
-    chosen_logit = at_event[rows, chosen]
-    contrast_logits = at_event.gather(1, contrast.clamp(min=0))
-    if (contrast < 0).all(dim=1).any():
-        bad = (contrast < 0).all(dim=1).nonzero().flatten().tolist()
-        raise ValueError(f"event rows {bad} have no contrast token: their margin would be +inf")
-    contrast_logits = contrast_logits.masked_fill(contrast < 0, float("-inf"))
-    margins = chosen_logit - contrast_logits.max(dim=1).values
-    if torch.isnan(margins).any():
-        bad = torch.isnan(margins).nonzero().flatten().tolist()
-        raise FloatingPointError(f"NaN decision margin at event rows {bad}")
-    return margins
-
-
-def decision_margins(
-    logits: Float[Tensor, "event pos vocab"], batch: EventBatch
-) -> Float[Tensor, "event"]:
-    """Each event's own decision margin from a forward pass over `batch.tokens`."""
-    return margins_at(logits, batch.predict_positions, batch.chosen, batch.contrast)
-
-
-def margin_fraction(
-    margins: Float[Tensor, "event"], clean: Float[Tensor, "event"]
-) -> Float[Tensor, "event"]:
-    """Per-event normalisation: the fraction of the clean margin that `margins` keeps."""
-    if torch.isnan(clean).any() or torch.isnan(margins).any():
-        raise FloatingPointError("NaN margin passed to margin_fraction")
-    if (clean <= 0).any():
-        bad = (clean <= 0).nonzero().flatten().tolist()
-        raise ValueError(
-            f"clean margins at rows {bad} are not positive: the fraction is undefined; keep decided events only "
-            "(see decided_rows)"
-        )
-    return margins / clean
-
-
-def decided_rows(clean: Float[Tensor, "event"], min_margin: float = 0.0) -> Tensor:
-    """Rows whose clean margin exceeds `min_margin` (events the model actually decides its way)."""
-    return (clean > min_margin).nonzero().flatten()

@@ -6,6 +6,8 @@ Every factory returns a list of `(hook_name, fn)` pairs keyed on standard hook n
 model). Hook functions never look at `hook.name`: in TL 4 it is the canonical, not the alias name.
 
 Per-head activations are read and written at `blocks.{l}.attn.hook_z` [batch, pos, head, d_head].
+The reference means that ablations write are computed here too; running a model with these hooks
+for the events' margins (and their gradient) is :mod:`mistill_lens.lens.margins`.
 """
 
 from __future__ import annotations
@@ -21,18 +23,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities import get_act_name
 
-from mistill_lens.lens.events import (
-    EventBatch,
-    decision_margins,
-    margins_at,
-    position_class_names,
-    row_chunks,
-)
+from mistill_lens.lens.events import EventBatch, position_class_names, row_chunks
 from mistill_lens.lens.model_types import HookedModel
 
 Head = tuple[int, int]
 HookFn = Callable[[Tensor, object], Tensor]
 HookPair = tuple[str, HookFn]
+HooksFor = Callable[[EventBatch], Sequence[HookPair]]  # the hooks for a batch of event rows
 
 
 def z_hook_name(layer: int) -> str:
@@ -504,79 +501,3 @@ def attribution_hooks(model: HookedModel, store: AttributionStore) -> list[HookP
 
         pairs.append((z_hook_name(layer), add_leaf))
     return pairs
-
-
-def attribution_scores(
-    model: HookedModel, batch: EventBatch, means: HeadMeans, extra_hooks: Sequence[HookPair] = ()
-) -> Float[Tensor, "event layer head"]:
-    """Attribution patching: gradient x (activation - class mean) of each event's margin, per head,
-    at the event's predicting position. Positive = the head pushes toward the chosen token (the
-    linear estimate of the margin lost by mean-ablating it). One forward and one backward.
-
-    Works in any model dtype: the product is computed in float32 (gradients and activations of a
-    bf16 / fp16 model are upcast to the float32 reference means), and the scores are float32."""
-    store = AttributionStore()
-    with torch.enable_grad():
-        logits = model.run_with_hooks(
-            batch.tokens, fwd_hooks=[*extra_hooks, *attribution_hooks(model, store)]
-        )
-        margins = decision_margins(logits, batch)
-        layers = sorted(store.leaves)
-        grads = torch.autograd.grad(margins.sum(), [store.leaves[l] for l in layers])
-    rows = torch.arange(len(batch))
-    class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
-    scores = []
-    for layer, grad in zip(layers, grads):
-        act = store.activations[layer][
-            rows, batch.predict_positions
-        ].float()  # [event, head, d_head]
-        mean = means.means[class_index, layer].float()  # [event, head, d_head]
-        g = grad[rows, batch.predict_positions].float()
-        scores.append(einops.einsum(g, act - mean, "e h d, e h d -> e h"))
-    return einops.rearrange(torch.stack(scores), "l e h -> e l h")
-
-
-# --- running -------------------------------------------------------------------------------
-
-
-# Hook points on the logits' own path: with a hook there, the margins come from the full logits.
-UNEMBED_INPUT = "unembed.hook_in"
-_LOGIT_PATH = ("ln_final.", "unembed.", "hook_unembed")
-
-
-def run_event_logits(
-    model: HookedModel, batch: EventBatch, hooks: Sequence[HookPair] = ()
-) -> Float[Tensor, "event vocab"]:
-    """Each event row's logits at its predicting position from one forward with `hooks` applied.
-    The forward stops at the unembedding's input and only the events' rows are unembedded: the
-    [batch, pos, vocab] logits (~1 GB per 1,000-token example at Gemma's 262,144 tokens) are never
-    made. Hooks on the final norm or the unembedding run the full forward instead."""
-    check_hook_names(model, [name for name, _ in hooks])
-    rows = torch.arange(len(batch))
-    on_logit_path = any(name.startswith(_LOGIT_PATH) for name, _ in hooks)
-    if on_logit_path or UNEMBED_INPUT not in model.hook_dict:
-        with torch.no_grad():
-            logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))
-        return logits[rows, batch.predict_positions]
-    store: dict[str, Tensor] = {}
-
-    def keep(act: Tensor, hook) -> None:
-        store["x"] = act[rows, batch.predict_positions]
-
-    run_reading(model, batch.tokens, [*hooks, (UNEMBED_INPUT, keep)], UNEMBED_INPUT)
-    with torch.no_grad():
-        logits = model.unembed(store["x"][:, None])[:, 0]
-    cap = getattr(model.cfg, "output_logits_soft_cap", None) or 0.0
-    # the logits' soft cap (Gemma) is applied by the model's forward after the unembedding
-    return torch.tanh(logits / cap) * cap if cap > 0 else logits
-
-
-@torch.no_grad()
-def run_margins(
-    model: HookedModel, batch: EventBatch, hooks: Sequence[HookPair] = ()
-) -> Float[Tensor, "event"]:
-    """The events' margins from one forward pass with `hooks` applied (the events' rows of the
-    logits alone: :func:`run_event_logits`)."""
-    logits = run_event_logits(model, batch, hooks)
-    at_rows = torch.zeros(len(batch), dtype=torch.long)
-    return margins_at(logits[:, None].float(), at_rows, batch.chosen, batch.contrast)

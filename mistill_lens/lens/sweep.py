@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
 import pandas as pd
 import torch
@@ -16,7 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mistill_lens.lens.backends import backend_for, event_margins
+from mistill_lens.lens.backends import backend_for, clean_margins
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import (
     StaleResultError,
@@ -31,10 +31,7 @@ from mistill_lens.lens.fingerprint import (
 from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
-    HookPair,
     all_heads,
-    event_position_classes,
-    mean_ablation_hooks,
     validate_heads,
 )
 from mistill_lens.lens.model_types import HookedModel
@@ -51,48 +48,6 @@ SWEEP_COLUMNS = [
     "effect",
     "fraction_lost",
 ]
-
-
-def chunked_margins(
-    model: HookedModel,
-    batch: EventBatch,
-    hooks_for: Callable[[EventBatch], list[HookPair]],
-    batch_size: int = 256,
-) -> Float[Tensor, "event"]:
-    """Margins over `batch` in row chunks; `hooks_for(sub_batch)` builds each chunk's hooks.
-
-    On an :class:`~mistill_lens.lens.engine.InterventionEngine` each chunk runs at decode cost on
-    the event-position view; hooks the engine cannot apply run on the full forward, with a warning
-    (:func:`mistill_lens.lens.backends.event_margins`)."""
-    return event_margins(model, batch, hooks_for, batch_size)
-
-
-def ablated_margins(
-    model: HookedModel,
-    batch: EventBatch,
-    means: HeadMeans,
-    heads: Iterable[Head],
-    batch_size: int = 256,
-) -> Float[Tensor, "event"]:
-    """Margins with `heads` mean-ablated at each event's predicting position (class = its kind)."""
-    heads = list(heads)
-    return chunked_margins(
-        model,
-        batch,
-        lambda sub: mean_ablation_hooks(
-            model, heads, means, event_position_classes(sub, means.class_names)
-        ),
-        batch_size,
-    )
-
-
-def clean_margins(
-    model: HookedModel,
-    batch: EventBatch,
-    extra_hooks: Sequence[HookPair] = (),
-    batch_size: int = 256,
-) -> Float[Tensor, "event"]:
-    return chunked_margins(model, batch, lambda sub: list(extra_hooks), batch_size)
 
 
 def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -> pd.DataFrame:
