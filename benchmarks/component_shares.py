@@ -13,13 +13,15 @@ from mistill_lens.lens.components import SITES, component_shares
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import make_event_batch
 from mistill_lens.lens.margins import decided_rows
+from mistill_lens.models.checkpoints import read_metadata
+from mistill_lens.task.characterize import task_examples
 
 
 def main(n: int, seed: int, out: Path) -> None:
     model, tokenizer = ml.load_model("default")
-    trained = ml.read_metadata("default")["config"]
+    trained = read_metadata("default")["config"]
     task = {key: trained[key] for key in ("universe_size", "k", "max_mentions")}
-    examples, reference = ml.task_examples(n, seed, "heldout", task)
+    examples, reference = task_examples(n, seed, "heldout", task)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = InterventionEngine(model)
     batch = make_event_batch(encode(examples, tokenizer), pad_token_id=pad)

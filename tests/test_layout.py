@@ -171,3 +171,17 @@ def test_no_algorithm_tests_which_backend_it_holds():
                 kinds = node.args[1]
                 named = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(kinds)}
                 assert not named & backends, f"{path.name}:{node.lineno} tests for a backend"
+
+
+def test_the_readmes_layout_table_names_every_module():
+    """Each module has its row (`lens/sweep.py`); the distill and cli packages' rows name theirs."""
+    table = (PACKAGE.parent / "README.md").read_text().split("## Layout", 1)[1]
+    missing = []
+    for path in modules():
+        relative = path.relative_to(PACKAGE)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        packaged = relative.parts[0] in ("distill", "cli")
+        if (f"`{path.stem}`" if packaged else f"`{relative}`") not in table:
+            missing.append(str(relative))
+    assert not missing, f"README's layout table lacks {missing}"

@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 CHECKS = {
     "01_explore_circuits": """
-ablated = ml.ablated_margins(engine, batch, means, found.circuit)
+ablated = ablated_margins(engine, batch, means, found.circuit)
 assert found.circuit and margin_by_kind(ablated)["near_miss"] < 0.5 * margin_by_kind(clean)["near_miss"]
 assert abs(float(row.sum()) - 1) < 1e-4 and query == event.predict_position
 """,
