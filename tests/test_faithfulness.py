@@ -21,7 +21,7 @@ from mistill_lens.lens.faithfulness import (
     random_band,
     sufficiency_curve,
 )
-from mistill_lens.lens.hooks import all_heads
+from mistill_lens.lens.hooks import all_heads, head_mask
 from mistill_lens.lens.margins import run_margins
 
 
@@ -109,6 +109,14 @@ def test_random_sets_score_their_planted_share_in_closed_form(joint):
     assert beyond_chance(0.0, size_four) == 1.0
     with pytest.raises(ValueError, match="draws must be at least 1"):
         random_band(bridge, batch, means, [1], draws=0)
+    # the caller's clean and all-ablated means give the same band; a non-positive clean is refused
+    engine = InterventionEngine(bridge)
+    masks = torch.stack([head_mask(bridge, []), ~head_mask(bridge, [])])
+    clean, none = engine.set_margins(batch, means, masks).mean(dim=1).tolist()
+    given = random_band(engine, batch, means, [1, 4, 8], 25, 3, clean_and_none=(clean, none))
+    assert [r["value"] for r in given] == pytest.approx([r["value"] for r in rows], abs=1e-5)
+    with pytest.raises(ValueError, match="mean clean margin"):
+        random_band(engine, batch, means, [1], 2, 3, clean_and_none=(-1.0, none))
 
 
 def test_the_search_agrees_on_the_full_forward_and_refuses_meaningless_input(joint):
