@@ -218,6 +218,15 @@ def residual_recorder(adapter: Adapter, layers: Sequence[int], store: dict[int, 
             handle.remove()
 
 
+def _check_recorded(heads: Sequence[Head], recorded: Mapping[int, Tensor], what: str) -> None:
+    """The head set is not empty and every one of its layers has its `what` recorded."""
+    if not heads:
+        raise ValueError("empty student head set: no attention to pool")
+    missing = sorted({layer for layer, _ in heads} - set(recorded))
+    if missing:
+        raise KeyError(f"no recorded {what} for student layer(s) {missing}")
+
+
 def event_attention(
     adapter: Adapter,
     residuals: Mapping[int, Float[Tensor, "batch pos d_model"]],
@@ -228,11 +237,7 @@ def event_attention(
     :func:`pooled_attention` reads it from ``hook_pattern``, but computed for those rows alone from
     the residual entering each head's layer (:func:`residual_recorder`): the student can then run
     memory-efficient attention everywhere, with no [pos, pos] pattern in any layer."""
-    if not heads:
-        raise ValueError("empty student head set: no attention to pool")
-    missing = sorted({layer for layer, _ in heads} - set(residuals))
-    if missing:
-        raise KeyError(f"no recorded residual for student layer(s) {missing}")
+    _check_recorded(heads, residuals, "residual")
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
         by_layer.setdefault(layer, []).append(head)
@@ -268,11 +273,7 @@ def pooled_attention(
     query_positions: Int[Tensor, "batch event"],
 ) -> Float[Tensor, "batch event key"]:
     """Mean over `heads` of each head's attention row at each event's query position."""
-    if not heads:
-        raise ValueError("empty student head set: no attention to pool")
-    missing = sorted({layer for layer, _ in heads} - set(patterns))
-    if missing:
-        raise KeyError(f"no recorded hook_pattern for student layer(s) {missing}")
+    _check_recorded(heads, patterns, "hook_pattern")
     rows = []
     for layer, head in heads:
         pattern = patterns[layer][:, head]  # [batch, query, key]
