@@ -209,6 +209,138 @@ def characterize(
     return result
 
 
+def _sweeps(
+    model: HookedModel,
+    batch: EventBatch,
+    nulls: EventBatch,
+    means,
+    swept: list[Head],
+    clean: Tensor,
+    sweep_dir: Path | None,
+    config: CharacterizeConfig,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The exact sweeps of the decided events and of the null events (resumable tables in
+    `sweep_dir`), in one process or sharded over Ray."""
+
+    def sweep_of(events: EventBatch, name: str, clean=None) -> pd.DataFrame:
+        out_path = sweep_dir / name if sweep_dir is not None else None
+        if config.ray is not None:  # the examples sharded over Ray tasks, each on the engine
+            if out_path is None:
+                raise ValueError("a sweep sharded over Ray needs a sweep_dir for its shard tables")
+            return sharded_sweep(
+                model.model,
+                events,
+                means,
+                out_path,
+                heads=swept,
+                shards=config.shards,
+                address=None if config.ray == "local" else config.ray,
+                stale=config.stale,
+            )
+        return ablation_sweep(
+            model,
+            events,
+            means,
+            out_path,
+            heads=swept,
+            progress=config.progress,
+            stale=config.stale,
+            clean=clean,
+        )
+
+    return sweep_of(batch, "sweep.csv", clean), sweep_of(nulls, "sweep_null.csv")
+
+
+def _attribution_table(batch: EventBatch, attribution: Tensor, exact: Tensor) -> pd.DataFrame:
+    """attribution.csv: each event's attribution score beside its exact ablation effect, per head."""
+    n_layers, n_heads = exact.shape[1:]
+    return pd.DataFrame(
+        [
+            {
+                "event_row": e,
+                "kind": batch.kinds[e],
+                "layer": l,
+                "head": h,
+                "attribution": float(attribution[e, l, h]),
+                "exact": float(exact[e, l, h]),
+            }
+            for e in range(len(batch))
+            for l in range(n_layers)
+            for h in range(n_heads)
+        ]
+    )
+
+
+def _sample_warnings(
+    batch: EventBatch, nulls: EventBatch, circuit: list[Head], config: CharacterizeConfig
+) -> list[str]:
+    """What the numbers rest on, said where it is thin: few events of a kind, few null events, or
+    no circuit."""
+    warned = [
+        f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
+        "its circuit measures rest on very few events"
+        for kind in dict.fromkeys(batch.kinds)
+        if batch.kinds.count(kind) < config.min_events_per_kind
+    ]
+    if len(nulls) < config.min_null_events:
+        warned.append(
+            f"only {len(nulls)} null events (fewer than {config.min_null_events}): every head's z "
+            "divides by their spread, so the z values and the circuit rest on very few"
+        )
+    if not circuit:
+        warned.append(
+            f"no head passes z >= {config.z_min} with an effect above null of at least "
+            f"{config.rel_min} x the strongest head's: the circuit is empty, so necessity, "
+            "sufficiency and knock-in are not measured (see top_heads, or lower z_min; a "
+            "mechanism spread over several heads is found by the faithfulness search, faithful_pool)"
+        )
+    return warned
+
+
+def _families(
+    model: HookedModel, batch: EventBatch, encoded, examples, near_miss_text
+) -> pd.DataFrame:
+    """Each head's attention mass on each family's target tokens (the region's candidate lines,
+    the near-miss named earlier, ...) at the events, against the uniform baseline."""
+    by_id = {x.example_id: x for x in encoded}
+    targets = [
+        family_targets(
+            by_id[e.example_id],
+            e,
+            near_miss_text(examples[e.example_id], e) if near_miss_text else None,
+        )
+        for e in batch.events
+    ]
+    families = pd.DataFrame()
+    if targets:
+        masses = {
+            family: attention_mass(model, batch, [t[family] for t in targets])
+            for family in targets[0]
+        }
+        baselines = {
+            family: torch.tensor(
+                [len(t[family]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]
+            )
+            for family in masses
+        }
+        families = head_families(masses, batch.kinds, all_heads(model), baselines)
+    return families
+
+
+def _elicitation_warnings(elicitation: dict, curve, config: CharacterizeConfig) -> list[str]:
+    """Early elicitation skipped, or read from fewer examples than the minimum."""
+    warned: list[str] = []
+    if curve is None and config.elicitation_kind is not None:
+        warned.append(f"early elicitation skipped: {elicitation['skipped']}")
+    elif curve is not None and elicitation["n_examples"] < config.min_elicitation_examples:
+        warned.append(
+            f"early elicitation rests on {elicitation['n_examples']} examples with a decided "
+            f"{config.elicitation_kind} event (fewer than {config.min_elicitation_examples}): "
+            "its lead and early heads are read from very few"
+        )
+    return warned
+
+
 def _characterize(
     model: HookedModel,
     tokenizer: Tokenizer,
@@ -247,102 +379,23 @@ def _characterize(
         else top_heads(attribution.abs().mean(dim=0), config.sweep_top)
     )
 
-    def sweep_of(events: EventBatch, name: str, clean=None) -> pd.DataFrame:
-        out_path = sweep_dir / name if sweep_dir is not None else None
-        if config.ray is not None:  # the examples sharded over Ray tasks, each on the engine
-            if out_path is None:
-                raise ValueError("a sweep sharded over Ray needs a sweep_dir for its shard tables")
-            return sharded_sweep(
-                model.model,
-                events,
-                means,
-                out_path,
-                heads=swept,
-                shards=config.shards,
-                address=None if config.ray == "local" else config.ray,
-                stale=config.stale,
-            )
-        return ablation_sweep(
-            model,
-            events,
-            means,
-            out_path,
-            heads=swept,
-            progress=config.progress,
-            stale=config.stale,
-            clean=clean,
-        )
-
-    sweep = sweep_of(batch, "sweep.csv", clean)
-    null_sweep = sweep_of(nulls, "sweep_null.csv")
+    sweep, null_sweep = _sweeps(model, batch, nulls, means, swept, clean, sweep_dir, config)
     exact = effects_tensor(sweep, len(batch), n_layers, n_heads)  # NaN for heads not swept
     null_exact = effects_tensor(null_sweep, len(nulls), n_layers, n_heads)
-    attribution_table = pd.DataFrame(
-        [
-            {
-                "event_row": e,
-                "kind": batch.kinds[e],
-                "layer": l,
-                "head": h,
-                "attribution": float(attribution[e, l, h]),
-                "exact": float(exact[e, l, h]),
-            }
-            for e in range(len(batch))
-            for l in range(n_layers)
-            for h in range(n_heads)
-        ]
-    )
+    attribution_table = _attribution_table(batch, attribution, exact)
 
     calibration = calibrate(exact.nan_to_num(0.0), batch.kinds, null_exact.nan_to_num(0.0))
     circuits = select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
     circuit = circuits["all"]
 
-    warned = [
-        f"only {batch.kinds.count(kind)} decided {kind} events (fewer than {config.min_events_per_kind}): "
-        "its circuit measures rest on very few events"
-        for kind in dict.fromkeys(batch.kinds)
-        if batch.kinds.count(kind) < config.min_events_per_kind
-    ]
-    if len(nulls) < config.min_null_events:
-        warned.append(
-            f"only {len(nulls)} null events (fewer than {config.min_null_events}): every head's z "
-            "divides by their spread, so the z values and the circuit rest on very few"
-        )
-    if not circuit:
-        warned.append(
-            f"no head passes z >= {config.z_min} with an effect above null of at least "
-            f"{config.rel_min} x the strongest head's: the circuit is empty, so necessity, "
-            "sufficiency and knock-in are not measured (see top_heads, or lower z_min; a "
-            "mechanism spread over several heads is found by the faithfulness search, faithful_pool)"
-        )
+    warned = _sample_warnings(batch, nulls, circuit, config)
     events = (
         circuit_report(model, batch, means, circuit, seed=config.seed, clean=clean).to_frame()
         if circuit
         else None
     )
 
-    by_id = {x.example_id: x for x in encoded}
-    targets = [
-        family_targets(
-            by_id[e.example_id],
-            e,
-            near_miss_text(examples[e.example_id], e) if near_miss_text else None,
-        )
-        for e in batch.events
-    ]
-    families = pd.DataFrame()
-    if targets:
-        masses = {
-            family: attention_mass(model, batch, [t[family] for t in targets])
-            for family in targets[0]
-        }
-        baselines = {
-            family: torch.tensor(
-                [len(t[family]) / (e.predict_position + 1) for t, e in zip(targets, batch.events)]
-            )
-            for family in masses
-        }
-        families = head_families(masses, batch.kinds, all_heads(model), baselines)
+    families = _families(model, batch, encoded, examples, near_miss_text)
 
     faithful = _faithful(model, batch, means, exact, config, warned)
     components = (
@@ -356,14 +409,7 @@ def _characterize(
         else {}
     )
     elicitation, curve = _elicitation(model, batch, circuits, region_candidates, config)
-    if curve is None and config.elicitation_kind is not None:
-        warned.append(f"early elicitation skipped: {elicitation['skipped']}")
-    elif curve is not None and elicitation["n_examples"] < config.min_elicitation_examples:
-        warned.append(
-            f"early elicitation rests on {elicitation['n_examples']} examples with a decided "
-            f"{config.elicitation_kind} event (fewer than {config.min_elicitation_examples}): "
-            "its lead and early heads are read from very few"
-        )
+    warned += _elicitation_warnings(elicitation, curve, config)
 
     ranked = sorted(all_heads(model), key=lambda h: -float(calibration.z[:, h[0], h[1]].max()))
     return Characterization(
