@@ -167,23 +167,9 @@ def _draw_distinct(universe: Universe, rng: random.Random, n: int, accept) -> li
     return drawn
 
 
-def build_example(
-    universe: Universe,
-    gold_codes: list[str],
-    k: int,
-    rng: random.Random,
-    *,
-    example_id: str = "",
-    split: str = "train",
-    n_negated: int = 1,
-    n_filler: int = 1,
-) -> Example:
-    """One example coding exactly ``gold_codes`` with ``k`` shuffled candidates.
-
-    The trace names, for each mention, the first candidate (in list order) that is a
-    near-miss of the gold code, so the reference output is a deterministic function of the
-    prompt.
-    """
+def _check_gold(universe: Universe, gold_codes: list[str]) -> None:
+    """Gold codes that make a well-posed example: known, distinct, from distinct regions, none
+    another's near-miss."""
     if not gold_codes:
         raise ValueError("empty summary: gold_codes must name at least one condition to code")
     for code in gold_codes:
@@ -199,6 +185,12 @@ def build_example(
                 f"gold code {code} has another gold code as a near-miss: {sorted(clash)}"
             )
 
+
+def _draw_candidates(
+    universe: Universe, gold_codes: list[str], k: int, rng: random.Random, n_negated: int
+) -> tuple[list[str], list[str]]:
+    """The `k` shuffled candidates (the gold codes, their planted near-misses, negated codes and
+    fillers) and the negated codes among them."""
     # The planted near-miss (an excludes code a third of the time when one exists) and one
     # more sibling, so that every mention has a within-region contrast in context.
     required: list[str] = list(gold_codes)
@@ -246,6 +238,100 @@ def build_example(
         + _draw_distinct(universe, rng, k - len(taken), lambda c: c not in taken)
     )
     rng.shuffle(candidates)
+    return candidates, negated
+
+
+def _mention_events(
+    universe: Universe,
+    candidates: list[str],
+    code: str,
+    near_miss: str,
+    relation: str,
+    index: int,
+    base: int,
+    line: str,
+) -> list[SpanEvent]:
+    """The region, within and near-miss decisions of one trace line that starts at character
+    `base` of prompt + output."""
+    region = region_of(code)
+    events: list[SpanEvent] = []
+    region_start = base + line.index(" => region ") + len(" => region ")
+    code_start = base + line.rindex(" ; code ") + len(" ; code ")
+    suffix_start = code_start + len(region)
+    region_contrast = region_of(
+        _first_in(candidates, [c for c in candidates if region_of(c) != region])
+    )
+    within_rival = (
+        _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss]) or near_miss
+    )
+    events.append(
+        SpanEvent(
+            "region",
+            region_start,
+            region_start + len(region),
+            region,
+            region_contrast,
+            region=region,
+            mention=index,
+        )
+    )
+    events.append(
+        SpanEvent(
+            "within",
+            suffix_start,
+            suffix_start + len(suffix_of(code)),
+            suffix_of(code),
+            suffix_of(within_rival),
+            region=region,
+            mention=index,
+        )
+    )
+    if relation == "sibling":
+        events.append(
+            SpanEvent(
+                "near_miss",
+                suffix_start,
+                suffix_start + len(suffix_of(code)),
+                suffix_of(code),
+                suffix_of(near_miss),
+                region=region,
+                mention=index,
+            )
+        )
+    else:
+        events.append(
+            SpanEvent(
+                "near_miss",
+                code_start,
+                code_start + len(region),
+                region,
+                region_of(near_miss),
+                region=region,
+                mention=index,
+            )
+        )
+    return events
+
+
+def build_example(
+    universe: Universe,
+    gold_codes: list[str],
+    k: int,
+    rng: random.Random,
+    *,
+    example_id: str = "",
+    split: str = "train",
+    n_negated: int = 1,
+    n_filler: int = 1,
+) -> Example:
+    """One example coding exactly ``gold_codes`` with ``k`` shuffled candidates.
+
+    The trace names, for each mention, the first candidate (in list order) that is a
+    near-miss of the gold code, so the reference output is a deterministic function of the
+    prompt.
+    """
+    _check_gold(universe, gold_codes)
+    candidates, negated = _draw_candidates(universe, gold_codes, k, rng, n_negated)
 
     # (sentence, the gold code it states or None), shuffled together.
     statements = [
@@ -276,63 +362,9 @@ def build_example(
             reason=REJECTION_REASONS[relation].format(region),
             code=code,
         )
-        base = len(prompt) + len(output)
-        region_start = base + line.index(" => region ") + len(" => region ")
-        code_start = base + line.rindex(" ; code ") + len(" ; code ")
-        suffix_start = code_start + len(region)
-        region_contrast = region_of(
-            _first_in(candidates, [c for c in candidates if region_of(c) != region])
+        events += _mention_events(
+            universe, candidates, code, near_miss, relation, index, len(prompt) + len(output), line
         )
-        within_rival = (
-            _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss])
-            or near_miss
-        )
-        events.append(
-            SpanEvent(
-                "region",
-                region_start,
-                region_start + len(region),
-                region,
-                region_contrast,
-                region=region,
-                mention=index,
-            )
-        )
-        events.append(
-            SpanEvent(
-                "within",
-                suffix_start,
-                suffix_start + len(suffix_of(code)),
-                suffix_of(code),
-                suffix_of(within_rival),
-                region=region,
-                mention=index,
-            )
-        )
-        if relation == "sibling":
-            events.append(
-                SpanEvent(
-                    "near_miss",
-                    suffix_start,
-                    suffix_start + len(suffix_of(code)),
-                    suffix_of(code),
-                    suffix_of(near_miss),
-                    region=region,
-                    mention=index,
-                )
-            )
-        else:
-            events.append(
-                SpanEvent(
-                    "near_miss",
-                    code_start,
-                    code_start + len(region),
-                    region,
-                    region_of(near_miss),
-                    region=region,
-                    mention=index,
-                )
-            )
         mentions.append(
             Mention(mention_wording(universe.description[code]), code, near_miss, relation)
         )
