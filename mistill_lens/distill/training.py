@@ -433,6 +433,61 @@ def initial_student(config: DistillConfig):
     return build_student(hf_config, config.seed, TRAINING_ATTENTION).to(dtype)
 
 
+def _data_warnings(
+    items: Sequence, n_events: int, too_long: int, n_examples: int, config: DistillConfig
+) -> list[str]:
+    """What the distillation data lacks: events for the attention loss (an error for a MISTILL
+    run, which would otherwise be the CoT run), or examples that did not fit the student."""
+    run_warnings: list[str] = []
+    if n_events == 0:
+        message = (
+            f"the {len(items)} distillation examples hold no teacher decision event, so the attention loss "
+            "has nothing to supervise"
+        )
+        if config.effective_weight > 0:
+            raise ValueError(
+                f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)"
+            )
+        run_warnings.append(message)
+    elif 2 * sum(bool(item.query_positions) for item in items) <= len(items):
+        with_events = sum(bool(item.query_positions) for item in items)
+        run_warnings.append(
+            f"only {with_events} of {len(items)} distillation examples hold a teacher decision event "
+            f"({n_events} events): most batches hold none, so the attention loss supervises few steps"
+        )
+    if too_long:
+        run_warnings.append(
+            f"{too_long} of {n_examples} distillation examples exceed the student's context and "
+            "were left out"
+        )
+    return run_warnings
+
+
+def _student_heads(
+    config: DistillConfig, hf_student, adapter, teacher, heads_by_kind, resumed, out_dir: Path
+) -> list[Head]:
+    """The student heads whose attention is pooled (homologous to the teacher's for a same-family
+    student of its shape), and on a resumed run the same ones it was trained with."""
+    shape = (adapter.n_layers, adapter.n_heads)
+    heads = checked_heads(
+        config.student_heads(
+            shape,
+            n_layers_heads(teacher) if same_family(hf_student, teacher) else None,
+            [head for kind_heads in heads_by_kind.values() for head in kind_heads],
+        ),
+        *shape,
+    )
+    if resumed is not None:
+        trained_with = [tuple(h) for h in read_metadata(out_dir).get("student_heads", heads)]
+        if trained_with != list(heads):
+            raise CheckpointError(
+                f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
+                f"{list(heads)} (a changed default?): give student_head_set to match, or use another "
+                "output folder (out_dir)"
+            )
+    return heads
+
+
 def distill(
     config: DistillConfig,
     teacher: HookedModel,
@@ -474,23 +529,7 @@ def distill(
     hf_student = student.get_base_model() if config.lora else student
     adapter = adapter_for(hf_student)
     student.train()
-    shape = (adapter.n_layers, adapter.n_heads)
-    heads = checked_heads(
-        config.student_heads(
-            shape,
-            n_layers_heads(teacher) if same_family(hf_student, teacher) else None,
-            [head for kind_heads in heads_by_kind.values() for head in kind_heads],
-        ),
-        *shape,
-    )
-    if resumed is not None:
-        trained_with = [tuple(h) for h in read_metadata(out_dir).get("student_heads", heads)]
-        if trained_with != list(heads):
-            raise CheckpointError(
-                f"{out_dir} was trained pooling student heads {trained_with}, this run would pool "
-                f"{list(heads)} (a changed default?): give student_head_set to match, or use another "
-                "output folder (out_dir)"
-            )
+    heads = _student_heads(config, hf_student, adapter, teacher, heads_by_kind, resumed, out_dir)
     n_ctx = config.n_ctx if config.pretrained else context_length(student)
     items, too_long = cached_items(
         None if cache_dir is None else Path(cache_dir),
@@ -514,28 +553,7 @@ def distill(
         }
     )
     n_events = sum(len(item.query_positions) for item in items)
-    run_warnings = []
-    if n_events == 0:
-        message = (
-            f"the {len(items)} distillation examples hold no teacher decision event, so the attention loss "
-            "has nothing to supervise"
-        )
-        if config.effective_weight > 0:
-            raise ValueError(
-                f"{message}: a MISTILL run would be exactly the CoT run; give more examples (n_train)"
-            )
-        run_warnings.append(message)
-    elif 2 * sum(bool(item.query_positions) for item in items) <= len(items):
-        with_events = sum(bool(item.query_positions) for item in items)
-        run_warnings.append(
-            f"only {with_events} of {len(items)} distillation examples hold a teacher decision event "
-            f"({n_events} events): most batches hold none, so the attention loss supervises few steps"
-        )
-    if too_long:
-        run_warnings.append(
-            f"{too_long} of {len(examples)} distillation examples exceed the student's context and "
-            "were left out"
-        )
+    run_warnings = _data_warnings(items, n_events, too_long, len(examples), config)
 
     def save(step: int, elapsed: float) -> dict:
         metadata = {
