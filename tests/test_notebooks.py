@@ -3,6 +3,7 @@
 as a static image too (GitHub and nbconvert render it), and no output is a loading bar."""
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -17,6 +18,11 @@ CHECKS = {
 ablated = ablated_margins(engine, batch, means, found.circuit)
 assert found.circuit and margin_by_kind(ablated)["near_miss"] < 0.5 * margin_by_kind(clean)["near_miss"]
 assert abs(float(row.sum()) - 1) < 1e-4 and query == event.predict_position
+# the printed shares are the row's, on the tokens that name the near-miss code
+assert in_reasoning and all(code_text in example.text[slice(*example.offsets[p])] or
+                            example.text[slice(*example.offsets[p])] in code_text for p in in_reasoning)
+assert on_reasoning == float(row[in_reasoning].sum()) and (LAYER, HEAD) in found.circuit
+assert explore(first_near_miss, (LAYER, HEAD)) is not None
 """,
     "02_ablation_sweeps": """
 assert len(sweep) == len(decided) * n_layers * n_heads and circuits["all"]
@@ -56,6 +62,18 @@ def test_committed_outputs_show_every_figure_as_an_image(path):
     assert not [o for o in outputs if o.get("name") == "stderr" or o["output_type"] == "error"]
     html, _ = HTMLExporter().from_notebook_node(nbformat.read(path, as_version=4))
     assert html.count("data:image/png") >= len(figures)  # an nbconvert export shows them too
+
+
+HAND_WRITTEN = re.compile(r"\bL\d+H\d+\b|[Ll]ayer \d+, head \d+|\(\d+, \d+\)|\b\d+\.\d+\b")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_the_prose_names_no_head_and_no_figure_by_hand(path):
+    """Heads and numbers come from the code's output, so the text cannot contradict it."""
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "markdown":
+            text = "".join(cell["source"])
+            assert not HAND_WRITTEN.search(text), (path.stem, HAND_WRITTEN.search(text).group())
 
 
 def test_every_notebook_is_checked():
