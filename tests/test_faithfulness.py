@@ -19,6 +19,8 @@ from mistill_lens.lens.faithfulness import (
     effect_pool,
     necessity_curve,
     random_band,
+    resample_examples,
+    selection_frequencies,
     sufficiency_curve,
 )
 from mistill_lens.lens.hooks import all_heads, head_mask
@@ -134,6 +136,55 @@ def test_the_search_agrees_on_the_full_forward_and_refuses_meaningless_input(joi
         necessity_curve(bridge, flipped, means, pool)
 
 
+def test_a_bootstrap_resample_draws_whole_examples(joint):
+    """Every example drawn brings all of its events (as many times as it is drawn), the resample
+    holds as many examples as the batch, and one seed gives one resample."""
+    import numpy as np
+
+    _, batch, *_ = joint
+    per_example = {}
+    for event in batch.events:
+        per_example[event.example_id] = per_example.get(event.example_id, 0) + 1
+    sample = resample_examples(batch, np.random.default_rng(5))
+    counts = {}
+    for event in sample.events:
+        counts[event.example_id] = counts.get(event.example_id, 0) + 1
+    draws = {e: counts[e] // per_example[e] for e in counts}
+    assert all(counts[e] == draws[e] * per_example[e] for e in counts)
+    assert sum(draws.values()) == len(per_example)
+    assert len(draws) < len(per_example)  # with replacement: some examples are left out
+    again = resample_examples(batch, np.random.default_rng(5))
+    assert [e.example_id for e in again.events] == [e.example_id for e in sample.events]
+    assert torch.equal(again.chosen, sample.chosen) and torch.equal(again.tokens, sample.tokens)
+
+
+def test_the_planted_joint_heads_are_chosen_on_every_resample(joint):
+    """Each of the four joint heads carries a quarter of every event's margin, so every resample's
+    search finds exactly the four of them: frequency 1 for each, 0 for every other head."""
+    bridge, batch, _, means, _ = joint
+    engine = InterventionEngine(bridge)
+    stability = selection_frequencies(engine, batch, means, all_heads(bridge), resamples=10, seed=1)
+    planted = {f"L{l}H{h}" for l, h in JOINT_HEADS}
+    assert set(stability["frequency"]) == {f"L{l}H{h}" for l, h in all_heads(bridge)}
+    for head, share in stability["frequency"].items():
+        assert share == (1.0 if head in planted else 0.0), head
+    assert list(stability["frequency"])[: len(planted)] == sorted(planted)  # most chosen first
+    assert stability["sizes"] == [4] * 10 and stability["failed"] == 0
+    with pytest.raises(ValueError, match="resamples must be at least 1"):
+        selection_frequencies(engine, batch, means, all_heads(bridge), resamples=0)
+
+
+def test_a_resample_without_a_positive_margin_is_counted_as_failed(joint):
+    """Events whose margin the model does not decide its way leave the search undefined: such
+    resamples are counted, not scored as 'no head chosen'."""
+    bridge, batch, _, means, _ = joint
+    flipped = batch.select(range(len(batch)))
+    flipped.chosen, flipped.contrast = flipped.contrast[:, 0].clone(), flipped.chosen[:, None]
+    stability = selection_frequencies(bridge, flipped, means, JOINT_HEADS, resamples=3, seed=0)
+    assert stability["failed"] == 3 and stability["sizes"] == []
+    assert set(stability["frequency"].values()) == {0.0}
+
+
 def test_batched_set_ablations_equal_one_forward_per_set(joint, planted, planted_data):
     """Many head sets jointly ablated in one engine call equal the full forward, set by set."""
     from mistill_lens.lens.backends import FullForward
@@ -163,7 +214,9 @@ def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted,
     from mistill_lens.lens.results import CharacterizeConfig
 
     bridge, tokenizer = planted
-    config = CharacterizeConfig(seed=0, ks=(1, 2), progress=False, faithful_pool=6)
+    config = CharacterizeConfig(
+        seed=0, ks=(1, 2), progress=False, faithful_pool=6, faithful_stability=4
+    )
     summary = characterize_into(
         tmp_path / "run",
         bridge,
@@ -188,5 +241,14 @@ def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted,
     # the found sets beat random sets of their size on the validation examples
     assert faithful["region"]["random_same_size"]["necessity"]["p"] < 0.1
     assert (tmp_path / "run" / "figures" / "faithfulness.html").is_file()
+    # every resample of the discovery examples finds the region's two heads again; 4 resamples
+    # are fewer than a reading needs, which the run records
+    stability = faithful["region"]["stability"]
+    assert stability["resamples"] == 4 and stability["failed"] == 0
+    assert stability["frequency"][f"L{DECIDER[0]}H{DECIDER[1]}"] == 1.0
+    assert stability["frequency"][f"L{GENERIC[0]}H{GENERIC[1]}"] == 1.0
+    assert len(stability["frequency"]) == 6  # the pool's heads, each with its share
+    assert any("4 bootstrap resamples" in w for w in summary["warnings"])
+    assert (tmp_path / "run" / "figures" / "stability.html").is_file()
     assert sorted(map(tuple, faithful["all"]["heads"])) == sorted([DECIDER, GENERIC, WITHIN])
     assert summary["circuit"] == [list(DECIDER), list(WITHIN)]  # the z rule's

@@ -136,6 +136,15 @@ def add_parser(sub) -> None:
         "set's p-value (default 20; 0: none)",
     )
     parser.add_argument(
+        "--faithful-stability",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        metavar="N",
+        help="with --faithful: rerun the search on N bootstrap resamples of the discovery examples "
+        "and report how often each pool head is chosen (summary.json: faithful.<kind>.stability; "
+        "figures/stability.html; 10 or more for a reading; default 0: none)",
+    )
+    parser.add_argument(
         "--no-engine",
         action="store_true",
         help="run every intervention as a full forward (the reference path; slow) instead of on "
@@ -156,6 +165,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.reference and not args.examples:
         raise ValueError(
             "--reference takes the means' examples for --examples; give --examples too"
+        )
+    if args.faithful_stability and args.faithful is None:
+        raise ValueError(
+            "--faithful-stability reruns the faithfulness search: give --faithful POOL too"
         )
     untrained = model_kind(args.model) in ("base", "gguf") and args.model != "smollm2"
     if untrained and not args.examples:
@@ -191,6 +204,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         engine=not args.no_engine,
         faithful_pool=args.faithful,
         faithful_random_draws=args.faithful_draws,
+        faithful_stability=args.faithful_stability,
         components=args.components,
     )
     return replace(config, **overrides)

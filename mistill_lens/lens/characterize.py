@@ -56,7 +56,7 @@ from mistill_lens.lens.events import (
     kind_mask,
     make_event_batch,
 )
-from mistill_lens.lens.faithfulness import faithful_circuit
+from mistill_lens.lens.faithfulness import MIN_RESAMPLES, faithful_circuit
 from mistill_lens.lens.fingerprint import StaleResultWarning
 from mistill_lens.lens.hooks import (
     Head,
@@ -471,6 +471,19 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
             target=config.faithful_target,
             seed=config.seed,
             random_draws=config.faithful_random_draws,
+            stability=config.faithful_stability,
+        )
+        failed = found[kind].get("stability", {}).get("failed", 0)
+        if failed:
+            warned.append(
+                f"selection stability of {kind!r}: the search was undefined on {failed} of "
+                f"{config.faithful_stability} resamples (mean clean margin not positive); its "
+                "frequencies are shares of the rest"
+            )
+    if 0 < config.faithful_stability < MIN_RESAMPLES and found:
+        warned.append(
+            f"selection stability from {config.faithful_stability} bootstrap resamples, fewer "
+            f"than {MIN_RESAMPLES}: its frequencies are coarse"
         )
     return found
 

@@ -22,6 +22,7 @@ is a single-position recomputation).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,6 +40,9 @@ from mistill_lens.lens.model_types import HookedModel
 BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
 BAND_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # set sizes of the random baseline band
 COVERAGE_FLOOR = 0.8  # an example is covered when the set removes at least this share of its margin
+MIN_RESAMPLES = (
+    10  # fewer bootstrap resamples than this make a selection frequency a recorded warning
+)
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,95 @@ def _ratio_ci(
     return float(numerators.sum() / denominators.sum()), (float(low), float(high))
 
 
+def _search(
+    model, batch: EventBatch, means: HeadMeans, pool: Sequence[Head], max_size: int, target: float
+) -> tuple[FaithfulnessCurve, FaithfulnessCurve, list[Head]]:
+    """Both greedy searches over `pool` and the set they find: the union of their smallest sets
+    reaching `target` (the whole explored path of a search that does not reach it)."""
+    necessity = necessity_curve(model, batch, means, pool, max_size)
+    sufficiency = sufficiency_curve(model, batch, means, pool)
+    found = set(necessity.smallest(target) or necessity.sets[-1])
+    found |= set(sufficiency.smallest(target) or sufficiency.sets[0])
+    return necessity, sufficiency, sorted(found)
+
+
+def resample_examples(batch: EventBatch, generator: np.random.Generator) -> EventBatch:
+    """A bootstrap resample of `batch`: as many whole examples as it holds, drawn with replacement
+    (an example drawn twice contributes its events twice; events of one example are not
+    independent, so they are never drawn apart)."""
+    ids = np.asarray([e.example_id for e in batch.events])
+    unique = np.unique(ids)
+    drawn = generator.choice(unique, len(unique))
+    return batch.select(np.concatenate([np.flatnonzero(ids == e) for e in drawn]))
+
+
+def selection_frequencies(
+    model: HookedModel,
+    discovery: EventBatch,
+    means: HeadMeans,
+    pool: Sequence[Head],
+    max_size: int = 32,
+    target: float = 0.8,
+    resamples: int = 10,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
+    """How stable the found set is: the search (both greedy curves over the fixed `pool`) rerun on
+    `resamples` bootstrap resamples of the discovery examples, and how often each pool head is in
+    the set found. ``frequency`` maps every pool head ("L{l}H{h}") to its share of the resamples,
+    most often chosen first; ``sizes`` lists the found sets' sizes; ``failed`` counts resamples on
+    which the search was undefined (a non-positive mean clean margin), left out of the shares."""
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, got {resamples}")
+    pool = validate_heads(model, pool)
+    generator = np.random.default_rng(seed)
+    counts: Counter = Counter()
+    sizes, failed = [], 0
+    for _ in tqdm(range(resamples), desc="selection stability", disable=not progress):
+        sample = resample_examples(discovery, generator)
+        try:
+            *_, heads = _search(model, sample, means, pool, max_size, target)
+        except ValueError:  # this resample's margin is not positive: no share of it means anything
+            failed += 1
+            continue
+        counts.update(heads)
+        sizes.append(len(heads))
+    done = max(resamples - failed, 1)
+    frequency = sorted(((counts[h] / done, h) for h in pool), key=lambda fh: (-fh[0], fh[1]))
+    return {
+        "resamples": resamples,
+        "failed": failed,
+        "sizes": sizes,
+        "frequency": {f"L{l}H{h}": share for share, (l, h) in frequency},
+    }
+
+
+def _random_baselines(
+    model, discovery, validation, means, heads, max_size, found_values, clean_and_none, draws, seed
+) -> dict:
+    """Random head sets as the baseline of a found set: the band of every :data:`BAND_SIZES` size
+    up to the search's on the discovery events, and sets of the found size on the validation
+    events, with a one-sided p per measure (`clean_and_none`: the validation events' mean clean
+    and all-ablated margins, already measured)."""
+    sizes = [size for size in BAND_SIZES if size <= max(max_size, len(heads))]
+    band = random_band(model, discovery, means, sizes, draws, seed)
+    same = random_band(
+        model, validation, means, [len(heads)], draws, seed + 1, clean_and_none=clean_and_none
+    )
+    return {
+        "random_band": band_summary(band),
+        "random_same_size": {
+            measure: {
+                "mean": float(np.mean(values)),
+                "p": beyond_chance(found_values[measure], values),
+            }
+            for measure in found_values
+            for values in [[r["value"] for r in same if r["measure"] == measure]]
+        }
+        | {"draws": draws, "size": len(heads)},
+    }
+
+
 def faithful_circuit(
     model: HookedModel,
     discovery: EventBatch,
@@ -289,6 +382,7 @@ def faithful_circuit(
     target: float = 0.8,
     seed: int = 0,
     random_draws: int = 20,
+    stability: int = 0,
 ) -> dict:
     """The smallest head set found on `discovery` events that is necessary and sufficient at
     `target` (the union of the two searches' smallest sets; the whole explored path when neither
@@ -296,7 +390,8 @@ def faithful_circuit(
     `effects` ([discovery event, layer, head], an exact sweep's or attribution's) choose the pool.
     With `random_draws`, random head sets are the baseline: a band at :data:`BAND_SIZES` on the
     discovery events (beside the curves) and, on the validation events, sets of the found size
-    (a p-value for each measure)."""
+    (a p-value for each measure). With `stability` > 0, the search is rerun on that many bootstrap
+    resamples of the discovery examples (:func:`selection_frequencies`, the pool fixed)."""
     shared = {e.example_id for e in discovery.events} & {e.example_id for e in validation.events}
     if shared:
         raise ValueError(
@@ -304,11 +399,7 @@ def faithful_circuit(
             "a circuit must be reported on examples it was not found on"
         )
     pool = effect_pool(effects, pool_size)
-    necessity = necessity_curve(model, discovery, means, pool, max_size)
-    sufficiency = sufficiency_curve(model, discovery, means, pool)
-    found = set(necessity.smallest(target) or necessity.sets[-1])
-    found |= set(sufficiency.smallest(target) or sufficiency.sets[0])
-    heads = sorted(found)
+    necessity, sufficiency, heads = _search(model, discovery, means, pool, max_size, target)
     chosen = head_mask(model, heads)
     # no head, the set, every head but the set, every head ablated
     masks = torch.stack([torch.zeros_like(chosen), chosen, ~chosen, torch.ones_like(chosen)])
@@ -321,32 +412,27 @@ def faithful_circuit(
         (clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR
         for rows in (np.flatnonzero(np.asarray(ids) == e) for e in dict.fromkeys(ids))
     ]
-    random = {}
-    if random_draws:
-        sizes = [size for size in BAND_SIZES if size <= max(max_size, len(heads))]
-        band = random_band(model, discovery, means, sizes, random_draws, seed)
-        same = random_band(
+    random = (
+        _random_baselines(
             model,
+            discovery,
             validation,
             means,
-            [len(heads)],
+            heads,
+            max_size,
+            {"necessity": necessity_value, "sufficiency": sufficiency_value},
+            (float(clean.mean()), float(none.mean())),
             random_draws,
-            seed + 1,
-            clean_and_none=(float(clean.mean()), float(none.mean())),  # the four-mask call's
+            seed,
         )
-        found_values = {"necessity": necessity_value, "sufficiency": sufficiency_value}
-        random = {
-            "random_band": band_summary(band),
-            "random_same_size": {
-                measure: {
-                    "mean": float(np.mean(values)),
-                    "p": beyond_chance(found_values[measure], values),
-                }
-                for measure in found_values
-                for values in [[r["value"] for r in same if r["measure"] == measure]]
-            }
-            | {"draws": random_draws, "size": len(heads)},
-        }
+        if random_draws
+        else {}
+    )
+    stable = {}
+    if stability:
+        stable["stability"] = selection_frequencies(
+            model, discovery, means, pool, max_size, target, stability, seed + 2
+        )
     return {
         "heads": [list(h) for h in heads],
         "size": len(heads),
@@ -362,4 +448,5 @@ def faithful_circuit(
         "target": target,
         "curves": necessity.to_rows() + sufficiency.to_rows(),
         **random,
+        **stable,
     }

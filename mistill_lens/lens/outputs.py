@@ -123,8 +123,8 @@ def write_results(result: Characterization, out_dir: Path) -> dict:
 
 def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
     """The characterisation's figures by name: head maps and the ablation curve, the attention
-    families, the early-elicitation curve and the faithfulness curves where the run made them;
-    each with the run's warnings printed under it."""
+    families, the early-elicitation curve, the faithfulness curves and selection stability where
+    the run made them; each with the run's warnings printed under it."""
     figures = {
         "head_maps": plot.head_map_figure(
             result.calibration, result.circuits, result.config.z_min, result.swept_heads
@@ -141,6 +141,8 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
         )
     if result.faithful:
         figures["faithfulness"] = plot.faithfulness_figure(result.faithful)
+        if any("stability" in found for found in result.faithful.values()):
+            figures["stability"] = plot.stability_figure(result.faithful)
     if result.components:
         figures["components"] = plot.components_figure(result.components)
     view = result.example

@@ -311,6 +311,44 @@ def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
     return fig
 
 
+def stability_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
+    """Per kind whose search was rerun on bootstrap resamples (a ``faithful`` block's
+    ``stability``): how often each pool head was chosen, the heads of the set found on all the
+    discovery examples in the kind's colour and the rest in grey; heads never chosen are left out
+    (their count is in the title)."""
+    kinds = [kind for kind in faithful if "stability" in faithful[kind]]
+    titles = []
+    for kind in kinds:
+        stability = faithful[kind]["stability"]
+        never = sum(share == 0 for share in stability["frequency"].values())
+        titles.append(
+            f"{kind}: {stability['resamples'] - stability['failed']} resamples "
+            f"({never} of {len(stability['frequency'])} pool heads never chosen)"
+        )
+    fig = make_subplots(rows=len(kinds), cols=1, subplot_titles=titles, vertical_spacing=0.12)
+    for row, kind in enumerate(kinds, start=1):
+        found = {f"L{l}H{h}" for l, h in faithful[kind]["heads"]}
+        chosen = {h: f for h, f in faithful[kind]["stability"]["frequency"].items() if f > 0}
+        fig.add_trace(
+            go.Bar(
+                x=list(chosen),
+                y=list(chosen.values()),
+                marker_color=["#d62728" if head in found else "#7f7f7f" for head in chosen],
+                hovertemplate="%{x}: chosen in %{y:.0%} of the resamples<extra></extra>",
+                showlegend=False,
+            ),
+            row=row,
+            col=1,
+        )
+        fig.update_yaxes(title_text="share of resamples", range=[0, 1.05], row=row, col=1)
+    fig.update_layout(
+        title="Selection stability: how often each head is in the found set (red: the set found "
+        "on all discovery examples)",
+        height=max(320, 280 * len(kinds)),
+    )
+    return fig
+
+
 def components_figure(components: Mapping[str, Mapping[str, Mapping]]) -> go.Figure:
     """Per site (MLP outputs, attention outputs): each kind's share of the margin lost when a
     layer's output at the events is replaced by its mean, one layer at a time (bars) and for

@@ -70,11 +70,13 @@ class CharacterizeConfig:
     # report them on the other half: the candidates are the `faithful_pool` heads with the largest
     # single-head effects (None: no search), sets grow up to `faithful_max_size` heads, and the
     # target is the necessity and normalised sufficiency to reach; `faithful_random_draws` random
-    # head sets per size are the baseline (0: none).
+    # head sets per size are the baseline (0: none); `faithful_stability` bootstrap resamples of
+    # the discovery examples rerun the search to say how often each pool head is chosen (0: none).
     faithful_pool: int | None = None
     faithful_max_size: int = 32
     faithful_target: float = 0.8
     faithful_random_draws: int = 20
+    faithful_stability: int = 0
     # The layer outputs' shares of the margin (lens/components.py: each layer's hook_mlp_out and
     # hook_attn_out at the events replaced by its per-kind reference mean, alone and cumulatively):
     # "are the decisions made by heads or by MLPs at the decision token?"
@@ -99,6 +101,7 @@ class CharacterizeConfig:
             faithful_pool=options.positive,
             faithful_max_size=options.positive,
             faithful_random_draws=options.non_negative,
+            faithful_stability=options.non_negative,
         )
         if not 0 < self.faithful_target <= 1:
             raise ValueError(
