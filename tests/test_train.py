@@ -1,5 +1,6 @@
 """Training: a tiny teacher learns, and an interrupted run resumes to the same weights."""
 
+import json
 import shutil
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ import mistill_lens.training.loop as train_module
 from mistill_lens import task
 from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
 from mistill_lens.models.tokenizers import teacher_tokenizer
+from mistill_lens.runs import MANIFEST_FILE, file_digest
 from mistill_lens.task.examples import CANDIDATES_HEADER, REASONING_HEADER
 from mistill_lens.task.icd import region_of
 from mistill_lens.training.checkpoint_state import TRAINING_STATE_FILE
@@ -118,6 +120,33 @@ def test_event_weight_changes_training_and_weight_one_is_the_plain_loss(tmp_path
         replace(TINY, steps=3, event_weight=5.0), tmp_path / "weighted", progress=False
     )
     assert plain["final_loss"] != weighted["final_loss"]
+
+
+def test_fp32_master_trains_under_bf16_autocast_and_old_runs_still_resume(tmp_path):
+    """fp32-master computes the same loss in bf16 (close to fp32's at the same first-step weights,
+    not equal to it), keeps float32 weights, and is recorded; a run saved before the option
+    existed resumes as fp32."""
+    fp32 = train(replace(TINY, steps=4), tmp_path / "fp32", progress=False)
+    master = train(replace(TINY, steps=4, precision="fp32-master"), tmp_path / "m", progress=False)
+    assert (fp32["precision"], master["precision"]) == ("fp32", "fp32-master")
+    first = [
+        torch.load(tmp_path / run / TRAINING_STATE_FILE, weights_only=False)["losses"][0]
+        for run in ("fp32", "m")
+    ]
+    assert first[0] != first[1] and first[1] == pytest.approx(first[0], rel=0.02)
+    model, _ = load_hf_model(tmp_path / "m")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="unknown precision 'bf16'"):
+        replace(TINY, precision="bf16")
+
+    state_path = tmp_path / "fp32" / TRAINING_STATE_FILE
+    state = torch.load(state_path, weights_only=False)
+    del state["config"]["precision"]  # as runs before the option saved it
+    torch.save(state, state_path)
+    manifest_path = tmp_path / "fp32" / MANIFEST_FILE  # its digest as that run wrote it
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps(manifest | {TRAINING_STATE_FILE: file_digest(state_path)}))
+    assert train(replace(TINY, steps=4), tmp_path / "fp32", progress=False)["step"] == 4
 
 
 def test_device_option_resolves_and_refuses_a_missing_accelerator(tmp_path, monkeypatch):

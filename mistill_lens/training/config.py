@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mistill_lens import options, task
+from mistill_lens.models import TRAIN_PRECISIONS
 from mistill_lens.models.checkpoints import BASE_MODELS
 from mistill_lens.options import check_options
 
@@ -52,6 +53,7 @@ class TrainConfig:
     # and MLP projection, instead of a model trained from scratch (n_layer/n_head/n_embd unused).
     base: str | None = None
     lora_r: int = 16
+    precision: str = "fp32"  # one of TRAIN_PRECISIONS
 
     def __post_init__(self):
         check_options(
@@ -69,6 +71,10 @@ class TrainConfig:
             )
         if self.base is not None and self.base not in BASE_MODELS:
             raise ValueError(f"unknown base model {self.base!r}; expected one of {BASE_MODELS}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise ValueError(
+                f"unknown precision {self.precision!r}; expected one of {TRAIN_PRECISIONS}"
+            )
 
     @property
     def role(self) -> str:

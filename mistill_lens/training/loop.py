@@ -202,7 +202,7 @@ def train(
 
     ``device`` and ``data_workers`` are not part of the configuration: a run may resume on another
     machine (the same seed gives the same data; numerics differ between devices, and a GPU trains
-    with bfloat16 autocast). ``data_workers`` processes make the next batches while a step runs.
+    with bfloat16 autocast whatever ``config.precision`` says). ``data_workers`` processes make the next batches while a step runs.
     """
     if data_workers < 0:
         raise ValueError(f"data_workers must be 0 or more, got {data_workers}")
@@ -242,7 +242,7 @@ def train(
             "final_loss": losses[-1] if losses else None,
             "torch": torch.__version__,
             "device": target.type,
-            "precision": "bf16-autocast" if target.type == "cuda" else "fp32",
+            "precision": "bf16-autocast" if target.type == "cuda" else config.precision,
         }
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
@@ -261,8 +261,13 @@ def train(
         model.to(target)
         return metadata
 
-    # bfloat16 matrix products on a GPU (the weights and optimizer stay float32)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=target.type == "cuda")
+    # bfloat16 matrix products on a GPU, and on a CPU with fp32-master (the weights and the
+    # optimizer stay float32)
+    autocast = torch.autocast(
+        target.type,
+        dtype=torch.bfloat16,
+        enabled=target.type == "cuda" or config.precision == "fp32-master",
+    )
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
         encoded = next(batches)
