@@ -12,6 +12,12 @@ from mistill_lens.lens.calibration import calibrate, null_events
 from mistill_lens.lens.circuits import select_circuit
 from mistill_lens.lens.engine import InterventionEngine
 from mistill_lens.lens.events import make_event_batch
+from mistill_lens.lens.faithful_search import (
+    Search,
+    faithful_circuit,
+    resample_rows,
+    selection_frequencies,
+)
 from mistill_lens.lens.faithfulness import (
     BAND_SIZES,
     band_summary,
@@ -19,11 +25,18 @@ from mistill_lens.lens.faithfulness import (
     effect_pool,
     necessity_curve,
     random_band,
-    resample_examples,
-    selection_frequencies,
+    ranked_heads,
+    ranking_curve,
     sufficiency_curve,
 )
-from mistill_lens.lens.hooks import all_heads, head_mask
+from mistill_lens.lens.hooks import (
+    all_heads,
+    event_position_classes,
+    gated_ablation_hooks,
+    head_mask,
+    row_set_ablation_hooks,
+)
+from mistill_lens.lens.learned_mask import learn_mask
 from mistill_lens.lens.margins import run_margins
 
 
@@ -145,7 +158,7 @@ def test_a_bootstrap_resample_draws_whole_examples(joint):
     per_example = {}
     for event in batch.events:
         per_example[event.example_id] = per_example.get(event.example_id, 0) + 1
-    sample = resample_examples(batch, np.random.default_rng(5))
+    sample = batch.select(resample_rows(batch, np.random.default_rng(5)))
     counts = {}
     for event in sample.events:
         counts[event.example_id] = counts.get(event.example_id, 0) + 1
@@ -153,7 +166,7 @@ def test_a_bootstrap_resample_draws_whole_examples(joint):
     assert all(counts[e] == draws[e] * per_example[e] for e in counts)
     assert sum(draws.values()) == len(per_example)
     assert len(draws) < len(per_example)  # with replacement: some examples are left out
-    again = resample_examples(batch, np.random.default_rng(5))
+    again = batch.select(resample_rows(batch, np.random.default_rng(5)))
     assert [e.example_id for e in again.events] == [e.example_id for e in sample.events]
     assert torch.equal(again.chosen, sample.chosen) and torch.equal(again.tokens, sample.tokens)
 
@@ -163,7 +176,9 @@ def test_the_planted_joint_heads_are_chosen_on_every_resample(joint):
     search finds exactly the four of them: frequency 1 for each, 0 for every other head."""
     bridge, batch, _, means, _ = joint
     engine = InterventionEngine(bridge)
-    stability = selection_frequencies(engine, batch, means, all_heads(bridge), resamples=10, seed=1)
+    effects = head_ablation_effects(bridge, batch, means)
+    heads = all_heads(bridge)
+    stability = selection_frequencies(engine, batch, means, effects, heads, resamples=10, seed=1)
     planted = {f"L{l}H{h}" for l, h in JOINT_HEADS}
     assert set(stability["frequency"]) == {f"L{l}H{h}" for l, h in all_heads(bridge)}
     for head, share in stability["frequency"].items():
@@ -171,7 +186,7 @@ def test_the_planted_joint_heads_are_chosen_on_every_resample(joint):
     assert list(stability["frequency"])[: len(planted)] == sorted(planted)  # most chosen first
     assert stability["sizes"] == [4] * 10 and stability["failed"] == 0
     with pytest.raises(ValueError, match="resamples must be at least 1"):
-        selection_frequencies(engine, batch, means, all_heads(bridge), resamples=0)
+        selection_frequencies(engine, batch, means, effects, heads, resamples=0)
 
 
 def test_a_resample_without_a_positive_margin_is_counted_as_failed(joint):
@@ -180,9 +195,146 @@ def test_a_resample_without_a_positive_margin_is_counted_as_failed(joint):
     bridge, batch, _, means, _ = joint
     flipped = batch.select(range(len(batch)))
     flipped.chosen, flipped.contrast = flipped.contrast[:, 0].clone(), flipped.chosen[:, None]
-    stability = selection_frequencies(bridge, flipped, means, JOINT_HEADS, resamples=3, seed=0)
+    effects = head_ablation_effects(bridge, flipped, means)
+    stability = selection_frequencies(
+        bridge, flipped, means, effects, JOINT_HEADS, resamples=3, seed=0
+    )
     assert stability["failed"] == 3 and stability["sizes"] == []
     assert set(stability["frequency"].values()) == {0.0}
+
+
+def test_gates_interpolate_between_the_clean_run_and_mean_ablation_on_both_backends(joint):
+    """Gate 0 is the clean run, gate 1 the mean-ablation of a set; the engine's differentiable
+    margins equal the full forward's, values and gradients with respect to the gates."""
+    from mistill_lens.lens.backends import FullForward
+
+    bridge, batch, _, means, _ = joint
+    full, engine = FullForward(bridge), InterventionEngine(bridge)
+    chosen = head_mask(bridge, JOINT_HEADS[:2] + [(1, 3)])
+
+    def gated(gates):
+        return lambda sub: gated_ablation_hooks(
+            bridge, gates, means, event_position_classes(sub, means.class_names)
+        )
+
+    def ablated(sub):
+        rows = chosen.expand(len(sub), *chosen.shape)
+        return row_set_ablation_hooks(
+            bridge, rows, means, event_position_classes(sub, means.class_names)
+        )
+
+    with torch.no_grad():
+        torch.testing.assert_close(
+            full.differentiable_margins(batch, gated(chosen.float())),
+            full.margins(batch, ablated),
+            atol=1e-5,
+            rtol=0,
+        )
+        torch.testing.assert_close(
+            engine.differentiable_margins(batch, gated(torch.zeros(chosen.shape))),
+            run_margins(bridge, batch),
+            atol=1e-4,
+            rtol=0,
+        )
+    gates = torch.rand(chosen.shape, generator=torch.Generator().manual_seed(0))
+    values, grads = [], []
+    for backend in (full, engine):
+        leaf = gates.clone().requires_grad_()
+        margin = backend.differentiable_margins(batch, gated(leaf)).mean()
+        (grad,) = torch.autograd.grad(margin, leaf)
+        values.append(margin.item())
+        grads.append(grad)
+    assert values[0] == pytest.approx(values[1], abs=1e-4)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=0)
+    # each joint head's gate lowers the margin; layer 1 is zero, so its gates do nothing
+    assert (grads[0][0] < -0.1).all() and grads[0][1].abs().max() < 1e-5
+    with pytest.raises(ValueError, match="gates of shape"):
+        gated_ablation_hooks(bridge, torch.zeros(3, 3), means, event_position_classes(batch))
+
+
+@pytest.mark.parametrize("measure", ["necessity", "sufficiency"])
+def test_a_learned_mask_opens_exactly_the_joint_heads(joint, measure):
+    """On the engine, gradient descent on the gates opens the four joint heads (each a quarter of
+    the margin, none decisive alone) and closes the rest; the ranking's exact curve reaches the
+    target at exactly those four."""
+    bridge, batch, _, means, _ = joint
+    engine = InterventionEngine(bridge)
+    gates = learn_mask(engine, batch, means, measure, steps=60)
+    ranking = ranked_heads(gates)
+    assert set(ranking[:4]) == set(JOINT_HEADS)
+    assert gates[0].min() > 0.9 and gates[1].max() < 0.1
+    curve = ranking_curve(engine, batch, means, ranking, measure, max_size=6)
+    assert set(curve.smallest(0.8)) == set(JOINT_HEADS)
+    assert [len(s) for s in curve.sets] == list(range(0 if measure == "necessity" else 1, 7))
+    if measure == "sufficiency":  # normalised: k of the joint heads kept keep k/4
+        assert curve.values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-4)
+
+
+def test_a_ranking_curve_follows_the_ranking_order(joint):
+    """The top-n sets follow the ranking as given (not head order): with the joint heads ranked
+    last, no set short of all of them reaches the target."""
+    bridge, batch, _, means, _ = joint
+    layer_one = [(1, h) for h in range(4)]
+    ranking = [*layer_one, *reversed(JOINT_HEADS)]
+    curve = ranking_curve(InterventionEngine(bridge), batch, means, ranking, "sufficiency", 8)
+    assert [s[-1] for s in curve.sets] == ranking
+    assert curve.values[:4] == pytest.approx([0.0] * 4, abs=1e-4)
+    assert curve.values[4:] == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-4)
+    assert len(curve.smallest(0.8)) == 8
+    with pytest.raises(ValueError, match="names each head once"):
+        ranking_curve(bridge, batch, means, [(0, 1), (0, 1)], "necessity")
+
+
+def test_the_three_methods_compared_on_held_out_examples(joint):
+    """faithful_circuit with the mask as its method and the others compared: each finds the four
+    joint heads on the discovery half, and on the validation half the set keeps and removes the
+    closed-form shares (sufficiency 1, necessity 1 less the means' own share)."""
+    bridge, batch, _, means, drift = joint
+    ids = sorted({e.example_id for e in batch.events})
+    half = torch.tensor([e.example_id in ids[::2] for e in batch.events])
+    effects = head_ablation_effects(bridge, batch, means)
+    found = faithful_circuit(
+        InterventionEngine(bridge),
+        batch.select(half),
+        batch.select(~half),
+        means,
+        effects[half],
+        pool_size=8,
+        search=Search("mask", max_size=6, mask_steps=60),
+        random_draws=0,
+        compare=("greedy", "single"),
+    )
+    assert found["method"] == "mask" and set(found["methods"]) == {"mask", "greedy", "single"}
+    for method, result in found["methods"].items():
+        assert sorted(map(tuple, result["heads"])) == sorted(JOINT_HEADS), method
+        assert result["sufficiency"] == pytest.approx(1.0, abs=1e-4)
+        assert result["necessity"] == pytest.approx(1 - drift, abs=0.05)
+    assert found["necessity"] == pytest.approx(found["methods"]["mask"]["necessity"], abs=1e-5)
+    assert {(r["method"], r["measure"]) for r in found["curves"]} == {
+        (m, measure)
+        for m in ("mask", "greedy", "single")
+        for measure in ("necessity", "sufficiency")
+    }
+    with pytest.raises(ValueError, match="unknown search method 'beam'"):
+        Search("beam")
+    with pytest.raises(ValueError, match="target must be a share"):
+        Search(target=1.5)
+
+
+def test_a_learned_mask_refuses_what_it_cannot_learn(joint):
+    bridge, batch, _, means, _ = joint
+    with pytest.raises(ValueError, match="unknown measure 'coverage'"):
+        learn_mask(bridge, batch, means, "coverage")
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        learn_mask(bridge, batch, means, "necessity", steps=0)
+    flipped = batch.select(range(len(batch)))
+    flipped.chosen, flipped.contrast = flipped.contrast[:, 0].clone(), flipped.chosen[:, None]
+    with pytest.raises(ValueError, match="mean clean margin"):
+        learn_mask(bridge, flipped, means, "necessity")
+    assert ranked_heads(torch.tensor([[0.1, 0.9], [0.5, 0.9]]), pool=[(1, 1), (1, 0)]) == [
+        (1, 1),
+        (1, 0),
+    ]
 
 
 def test_batched_set_ablations_equal_one_forward_per_set(joint, planted, planted_data):

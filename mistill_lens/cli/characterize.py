@@ -145,6 +145,20 @@ def add_parser(sub) -> None:
         "figures/stability.html; 10 or more for a reading; default 0: none)",
     )
     parser.add_argument(
+        "--faithful-method",
+        choices=["greedy", "mask", "single"],
+        default="greedy",
+        help="with --faithful: how the set is searched: greedy joint ablation (forward addition, "
+        "backward pruning), a learned mask (a gate per head trained on the discovery events, heads "
+        "ranked by gate), or the single-head effects' ranking (default greedy)",
+    )
+    parser.add_argument(
+        "--faithful-compare",
+        action="store_true",
+        help="with --faithful: run all three methods on the same pool and events and record each "
+        "one's set, its validation measures and its curves (summary.json: faithful.<kind>.methods)",
+    )
+    parser.add_argument(
         "--no-engine",
         action="store_true",
         help="run every intervention as a full forward (the reference path; slow) instead of on "
@@ -166,9 +180,18 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(
             "--reference takes the means' examples for --examples; give --examples too"
         )
-    if args.faithful_stability and args.faithful is None:
+    needs_pool = [
+        flag
+        for flag, given in [
+            ("--faithful-stability", args.faithful_stability),
+            ("--faithful-method", args.faithful_method != "greedy"),
+            ("--faithful-compare", args.faithful_compare),
+        ]
+        if given
+    ]
+    if needs_pool and args.faithful is None:
         raise ValueError(
-            "--faithful-stability reruns the faithfulness search: give --faithful POOL too"
+            f"{needs_pool[0]} sets up the faithfulness search: give --faithful POOL too"
         )
     untrained = model_kind(args.model) in ("base", "gguf") and args.model != "smollm2"
     if untrained and not args.examples:
@@ -205,6 +228,8 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         faithful_pool=args.faithful,
         faithful_random_draws=args.faithful_draws,
         faithful_stability=args.faithful_stability,
+        faithful_method=args.faithful_method,
+        faithful_compare=args.faithful_compare,
         components=args.components,
     )
     return replace(config, **overrides)

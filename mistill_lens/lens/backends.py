@@ -42,7 +42,7 @@ from mistill_lens.lens.hooks import (
     mean_ablation_hooks,
     row_set_ablation_hooks,
 )
-from mistill_lens.lens.margins import attribution_scores, run_margins_in_chunks
+from mistill_lens.lens.margins import attribution_scores, decision_margins, run_margins_in_chunks
 from mistill_lens.lens.model_types import HookedModel, StandsIn
 
 
@@ -59,6 +59,10 @@ class EventModel(Protocol):
 
     def margins(
         self, batch: EventBatch, hooks_for: HooksFor, chunk: int | None = None
+    ) -> Float[Tensor, "event"]: ...
+
+    def differentiable_margins(
+        self, batch: EventBatch, hooks_for: HooksFor
     ) -> Float[Tensor, "event"]: ...
 
     def sweep_groups(self, heads: Sequence[Head]) -> list[list[Head]]: ...
@@ -106,6 +110,18 @@ class FullForward(StandsIn):
 
     def margins(self, batch, hooks_for, chunk=None):
         return run_margins_in_chunks(self.model, batch, hooks_for, chunk or self.batch_size)
+
+    def differentiable_margins(self, batch, hooks_for):
+        """The margins with their autograd graph, one forward per chunk of rows."""
+        with torch.enable_grad():
+            return torch.cat(
+                [
+                    decision_margins(
+                        self.model.run_with_hooks(sub.tokens, fwd_hooks=list(hooks_for(sub))), sub
+                    )
+                    for sub in batch.chunks(self.batch_size)
+                ]
+            )
 
     def sweep_groups(self, heads):
         return [[head] for head in heads]  # one forward per head

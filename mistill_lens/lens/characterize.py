@@ -56,7 +56,7 @@ from mistill_lens.lens.events import (
     kind_mask,
     make_event_batch,
 )
-from mistill_lens.lens.faithfulness import MIN_RESAMPLES, faithful_circuit
+from mistill_lens.lens.faithful_search import METHODS, MIN_RESAMPLES, Search, faithful_circuit
 from mistill_lens.lens.fingerprint import StaleResultWarning
 from mistill_lens.lens.hooks import (
     Head,
@@ -450,6 +450,12 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
     if config.faithful_pool is None:
         return {}
     discovery = split_by_example([e.example_id for e in batch.events], 0.5, config.seed)
+    search = Search(
+        config.faithful_method,
+        config.faithful_max_size,
+        config.faithful_target,
+        config.faithful_mask_steps,
+    )
     found = {}
     for kind in [*dict.fromkeys(batch.kinds), "all"]:
         rows = (
@@ -467,11 +473,11 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
             means,
             exact[rows & discovery],
             pool_size=config.faithful_pool,
-            max_size=config.faithful_max_size,
-            target=config.faithful_target,
+            search=search,
             seed=config.seed,
             random_draws=config.faithful_random_draws,
             stability=config.faithful_stability,
+            compare=METHODS if config.faithful_compare else (),
         )
         failed = found[kind].get("stability", {}).get("failed", 0)
         if failed:

@@ -503,6 +503,13 @@ class InterventionEngine(StandsIn):
         event-position view of each chunk of rows (see the module docstring)."""
         return self._chunked_margins(batch, lambda view, rows: hooks_for(view), chunk)
 
+    def differentiable_margins(
+        self, batch: EventBatch, hooks_for: Callable[[EventBatch], Sequence[HookPair]]
+    ) -> Float[Tensor, "event"]:
+        """:meth:`margins` with their autograd graph: gradients reach the parameters the hooks
+        use (a learned mask's gates), through the single-position recomputation."""
+        return self._chunked_margins(batch, lambda view, rows: hooks_for(view), grad=True)
+
     def layer_sweep(
         self, batch: EventBatch, means, layer: int, heads: Sequence[int]
     ) -> Float[Tensor, "head event"]:
@@ -525,20 +532,22 @@ class InterventionEngine(StandsIn):
         batch: EventBatch,
         hooks_for: Callable[[EventBatch, range], Sequence[HookPair]],
         chunk: int | None = None,
+        grad: bool = False,
     ) -> Float[Tensor, "event"]:
         """Margins over `batch` in chunks of rows, `hooks_for(view, rows)` building each chunk's
         hooks; each chunk is recomputed from its first hooked layer (no hooks: the last layer,
-        which gives the clean margin)."""
-        margins = torch.empty(len(batch), dtype=torch.float32)
-        with torch.no_grad():
+        which gives the clean margin). With `grad`, the margins keep their autograd graph (to
+        whatever the hooks read that requires grad)."""
+        margins = []
+        with torch.enable_grad() if grad else torch.no_grad():
             for rows in row_chunks(len(batch), chunk or self.chunk):
                 sub = batch.select(list(rows))
                 view = event_view(sub)
                 layer_hooks = self._layer_hooks(hooks_for(view, rows))
                 start = min(layer_hooks, default=self.n_layers - 1)
                 logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
-                margins[rows.start : rows.stop] = row_margins(logits, view)
-        return margins
+                margins.append(row_margins(logits, view))
+        return torch.cat(margins) if margins else torch.empty(0)
 
     def residuals(
         self,

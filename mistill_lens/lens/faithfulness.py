@@ -13,6 +13,9 @@ set, by exact mean-ablation:
   from the pool (each step removes the head whose removal keeps the most), since from an empty set
   the first additions carry no signal.
 
+:func:`ranking_curve` measures the top-n sets of any ranking of the heads (a learned mask's, the
+single-head effects') with the same measures, so methods are compared on the same curves.
+
 Both are ratios of mean margins over the events, not means of per-event ratios, which explode
 where a denominator is near zero. Candidates are restricted to a pool (e.g. the heads with the
 largest single-head effects), whose size is part of the result; each step evaluates all its
@@ -22,7 +25,6 @@ is a single-position recomputation).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,28 +36,32 @@ from tqdm.auto import tqdm
 
 from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.hooks import Head, HeadMeans, head_mask, n_layers_heads, validate_heads
+from mistill_lens.lens.hooks import (
+    Head,
+    HeadMeans,
+    as_head,
+    head_mask,
+    n_layers_heads,
+    validate_heads,
+)
 from mistill_lens.lens.model_types import HookedModel
 
-BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
 BAND_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # set sizes of the random baseline band
-COVERAGE_FLOOR = 0.8  # an example is covered when the set removes at least this share of its margin
-MIN_RESAMPLES = (
-    10  # fewer bootstrap resamples than this make a selection frequency a recorded warning
-)
+MEASURES = ("necessity", "sufficiency")
 
 
 @dataclass(frozen=True)
 class FaithfulnessCurve:
-    """A greedy search's path. ``sets[i]`` is the head set after step i and ``values[i]`` its
-    measure: growing sets for necessity (the empty set first), shrinking sets for sufficiency (the
-    whole pool first)."""
+    """A search's path. ``sets[i]`` is the head set after step i and ``values[i]`` its measure:
+    for the greedy search, growing sets for necessity (the empty set first) and shrinking sets for
+    sufficiency (the whole pool first); for a ranking (:func:`ranking_curve`), its top-n sets."""
 
     measure: str  # "necessity" | "sufficiency"
     sets: tuple[tuple[Head, ...], ...]
     values: tuple[float, ...]
     pool_size: int
     n_events: int
+    method: str = "greedy"  # what chose the sets: the greedy search, or a ranking's name
 
     def smallest(self, target: float) -> tuple[Head, ...] | None:
         """The smallest set on the path whose measure reaches `target` (None: none does)."""
@@ -65,6 +71,7 @@ class FaithfulnessCurve:
     def to_rows(self) -> list[dict]:
         return [
             {
+                "method": self.method,
                 "measure": self.measure,
                 "size": len(heads),
                 "value": value,
@@ -74,7 +81,7 @@ class FaithfulnessCurve:
         ]
 
 
-def _mean_margins(
+def mean_set_margins(
     model, batch: EventBatch, means: HeadMeans, sets: Sequence[Sequence[Head]], keep: bool
 ) -> list[float]:
     """Mean margin over the events with each head set jointly mean-ablated (`keep`: every head
@@ -85,15 +92,15 @@ def _mean_margins(
     return backend_for(model).set_margins(batch, means, masks).mean(dim=1).tolist()
 
 
-def _clean(model, batch: EventBatch, means: HeadMeans) -> float:
+def mean_clean_margin(model, batch: EventBatch, means: HeadMeans) -> float:
     """The mean clean margin, refusing a batch on which a share of it means nothing."""
     if len(batch) == 0:
         raise ValueError("no events to search a circuit on: give at least one decided event")
-    (clean,) = _mean_margins(model, batch, means, [[]], keep=False)
-    return _positive(clean, len(batch))
+    (clean,) = mean_set_margins(model, batch, means, [[]], keep=False)
+    return positive_clean(clean, len(batch))
 
 
-def _positive(clean: float, n_events: int) -> float:
+def positive_clean(clean: float, n_events: int) -> float:
     if clean <= 0:
         raise ValueError(
             f"the mean clean margin of these {n_events} events is {clean:.3g}: a share of it "
@@ -113,13 +120,13 @@ def necessity_curve(
     """Greedy forward addition over `pool` (up to `max_size` heads): at each step the head whose
     joint ablation with those already chosen removes the largest share of the mean clean margin."""
     pool = validate_heads(model, pool)
-    clean = _clean(model, batch, means)
+    clean = mean_clean_margin(model, batch, means)
     chosen: list[Head] = []
     sets, values = [()], [0.0]
     steps = len(pool) if max_size is None else min(max_size, len(pool))
     for _ in tqdm(range(steps), desc="necessity search", disable=not progress):
         candidates = [c for c in pool if c not in chosen]
-        left = _mean_margins(model, batch, means, [[*chosen, c] for c in candidates], keep=False)
+        left = mean_set_margins(model, batch, means, [[*chosen, c] for c in candidates], keep=False)
         best = min(range(len(candidates)), key=left.__getitem__)
         chosen.append(candidates[best])
         sets.append(tuple(chosen))
@@ -139,8 +146,8 @@ def sufficiency_curve(
     `min_size` heads: at each step the head whose removal keeps the most of the margin.
     Values are normalised: 1 = the whole model's mean margin, 0 = every head ablated."""
     pool = validate_heads(model, pool)
-    clean = _clean(model, batch, means)
-    empty, whole = _mean_margins(model, batch, means, [[], list(pool)], keep=True)
+    clean = mean_clean_margin(model, batch, means)
+    empty, whole = mean_set_margins(model, batch, means, [[], list(pool)], keep=True)
     if abs(clean - empty) < 1e-6 * max(abs(clean), 1.0):
         raise ValueError(
             "ablating every head leaves the mean margin where it was: sufficiency (normalised by "
@@ -154,7 +161,7 @@ def sufficiency_curve(
     sets, values = [tuple(kept)], [normalised(whole)]
     steps = max(len(pool) - min_size, 0)
     for _ in tqdm(range(steps), desc="sufficiency search", disable=not progress):
-        without = _mean_margins(
+        without = mean_set_margins(
             model, batch, means, [[h for h in kept if h != c] for c in kept], keep=True
         )
         drop = max(range(len(kept)), key=without.__getitem__)
@@ -205,12 +212,12 @@ def random_band(
         raise ValueError(f"no set size in 1..{n_layers * n_heads} among {list(sizes)}")
     sets = random_head_sets(n_layers, n_heads, sizes, draws, seed)
     if clean_and_none is None:
-        clean = _clean(model, batch, means)
-        empty, *kept = _mean_margins(model, batch, means, [(), *sets], keep=True)
+        clean = mean_clean_margin(model, batch, means)
+        empty, *kept = mean_set_margins(model, batch, means, [(), *sets], keep=True)
     else:
-        clean, empty = _positive(clean_and_none[0], len(batch)), clean_and_none[1]
-        kept = _mean_margins(model, batch, means, sets, keep=True)
-    ablated = _mean_margins(model, batch, means, sets, keep=False)
+        clean, empty = positive_clean(clean_and_none[0], len(batch)), clean_and_none[1]
+        kept = mean_set_margins(model, batch, means, sets, keep=True)
+    ablated = mean_set_margins(model, batch, means, sets, keep=False)
     rows = []
     for index, (heads, left, alone) in enumerate(zip(sets, ablated, kept)):
         for measure, value in (
@@ -263,190 +270,45 @@ def effect_pool(effects: Float[Tensor, "event layer head"], size: int) -> list[H
     return sorted((int(i) // n_heads, int(i) % n_heads) for i in order)
 
 
-def _ratio_ci(
-    numerators: np.ndarray, denominators: np.ndarray, example_ids: Sequence[int], seed: int
-) -> tuple[float, tuple[float, float]]:
-    """sum(numerators) / sum(denominators) over the events, with a 95 % bootstrap interval over
-    examples (whole examples resampled: an example's events are not independent)."""
-    ids = np.asarray(example_ids)
-    unique = np.unique(ids)
-    index = {e: np.flatnonzero(ids == e) for e in unique}
-    rng = np.random.default_rng(seed)
-    ratios = []
-    for _ in range(BOOTSTRAP):
-        rows = np.concatenate([index[e] for e in rng.choice(unique, len(unique))])
-        denominator = denominators[rows].sum()
-        if denominator != 0:
-            ratios.append(numerators[rows].sum() / denominator)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return float(numerators.sum() / denominators.sum()), (float(low), float(high))
+def ranked_heads(
+    scores: Float[Tensor, "layer head"], pool: Sequence[Head] | None = None
+) -> list[Head]:
+    """Heads by descending score (ties in head order), among `pool` when given."""
+    n_heads = scores.shape[1]
+    order = scores.flatten().argsort(stable=True, descending=True)
+    heads = [(int(i) // n_heads, int(i) % n_heads) for i in order]
+    if pool is None:
+        return heads
+    candidates = set(pool)
+    return [h for h in heads if h in candidates]
 
 
-def _search(
-    model, batch: EventBatch, means: HeadMeans, pool: Sequence[Head], max_size: int, target: float
-) -> tuple[FaithfulnessCurve, FaithfulnessCurve, list[Head]]:
-    """Both greedy searches over `pool` and the set they find: the union of their smallest sets
-    reaching `target` (the whole explored path of a search that does not reach it)."""
-    necessity = necessity_curve(model, batch, means, pool, max_size)
-    sufficiency = sufficiency_curve(model, batch, means, pool)
-    found = set(necessity.smallest(target) or necessity.sets[-1])
-    found |= set(sufficiency.smallest(target) or sufficiency.sets[0])
-    return necessity, sufficiency, sorted(found)
-
-
-def resample_examples(batch: EventBatch, generator: np.random.Generator) -> EventBatch:
-    """A bootstrap resample of `batch`: as many whole examples as it holds, drawn with replacement
-    (an example drawn twice contributes its events twice; events of one example are not
-    independent, so they are never drawn apart)."""
-    ids = np.asarray([e.example_id for e in batch.events])
-    unique = np.unique(ids)
-    drawn = generator.choice(unique, len(unique))
-    return batch.select(np.concatenate([np.flatnonzero(ids == e) for e in drawn]))
-
-
-def selection_frequencies(
+def ranking_curve(
     model: HookedModel,
-    discovery: EventBatch,
+    batch: EventBatch,
     means: HeadMeans,
-    pool: Sequence[Head],
+    ranking: Sequence[Head],
+    measure: str,
     max_size: int = 32,
-    target: float = 0.8,
-    resamples: int = 10,
-    seed: int = 0,
-    progress: bool = False,
-) -> dict:
-    """How stable the found set is: the search (both greedy curves over the fixed `pool`) rerun on
-    `resamples` bootstrap resamples of the discovery examples, and how often each pool head is in
-    the set found. ``frequency`` maps every pool head ("L{l}H{h}") to its share of the resamples,
-    most often chosen first; ``sizes`` lists the found sets' sizes; ``failed`` counts resamples on
-    which the search was undefined (a non-positive mean clean margin), left out of the shares."""
-    if resamples < 1:
-        raise ValueError(f"resamples must be at least 1, got {resamples}")
-    pool = validate_heads(model, pool)
-    generator = np.random.default_rng(seed)
-    counts: Counter = Counter()
-    sizes, failed = [], 0
-    for _ in tqdm(range(resamples), desc="selection stability", disable=not progress):
-        sample = resample_examples(discovery, generator)
-        try:
-            *_, heads = _search(model, sample, means, pool, max_size, target)
-        except ValueError:  # this resample's margin is not positive: no share of it means anything
-            failed += 1
-            continue
-        counts.update(heads)
-        sizes.append(len(heads))
-    done = max(resamples - failed, 1)
-    frequency = sorted(((counts[h] / done, h) for h in pool), key=lambda fh: (-fh[0], fh[1]))
-    return {
-        "resamples": resamples,
-        "failed": failed,
-        "sizes": sizes,
-        "frequency": {f"L{l}H{h}": share for share, (l, h) in frequency},
-    }
-
-
-def _random_baselines(
-    model, discovery, validation, means, heads, max_size, found_values, clean_and_none, draws, seed
-) -> dict:
-    """Random head sets as the baseline of a found set: the band of every :data:`BAND_SIZES` size
-    up to the search's on the discovery events, and sets of the found size on the validation
-    events, with a one-sided p per measure (`clean_and_none`: the validation events' mean clean
-    and all-ablated margins, already measured)."""
-    sizes = [size for size in BAND_SIZES if size <= max(max_size, len(heads))]
-    band = random_band(model, discovery, means, sizes, draws, seed)
-    same = random_band(
-        model, validation, means, [len(heads)], draws, seed + 1, clean_and_none=clean_and_none
-    )
-    return {
-        "random_band": band_summary(band),
-        "random_same_size": {
-            measure: {
-                "mean": float(np.mean(values)),
-                "p": beyond_chance(found_values[measure], values),
-            }
-            for measure in found_values
-            for values in [[r["value"] for r in same if r["measure"] == measure]]
-        }
-        | {"draws": draws, "size": len(heads)},
-    }
-
-
-def faithful_circuit(
-    model: HookedModel,
-    discovery: EventBatch,
-    validation: EventBatch,
-    means: HeadMeans,
-    effects: Float[Tensor, "event layer head"],
-    pool_size: int = 40,
-    max_size: int = 32,
-    target: float = 0.8,
-    seed: int = 0,
-    random_draws: int = 20,
-    stability: int = 0,
-) -> dict:
-    """The smallest head set found on `discovery` events that is necessary and sufficient at
-    `target` (the union of the two searches' smallest sets; the whole explored path when neither
-    reaches it), measured on the disjoint `validation` events with bootstrap CIs over examples.
-    `effects` ([discovery event, layer, head], an exact sweep's or attribution's) choose the pool.
-    With `random_draws`, random head sets are the baseline: a band at :data:`BAND_SIZES` on the
-    discovery events (beside the curves) and, on the validation events, sets of the found size
-    (a p-value for each measure). With `stability` > 0, the search is rerun on that many bootstrap
-    resamples of the discovery examples (:func:`selection_frequencies`, the pool fixed)."""
-    shared = {e.example_id for e in discovery.events} & {e.example_id for e in validation.events}
-    if shared:
-        raise ValueError(
-            f"examples {sorted(shared)[:5]} are in both the discovery and the validation events: "
-            "a circuit must be reported on examples it was not found on"
-        )
-    pool = effect_pool(effects, pool_size)
-    necessity, sufficiency, heads = _search(model, discovery, means, pool, max_size, target)
-    chosen = head_mask(model, heads)
-    # no head, the set, every head but the set, every head ablated
-    masks = torch.stack([torch.zeros_like(chosen), chosen, ~chosen, torch.ones_like(chosen)])
-    margins = backend_for(model).set_margins(validation, means, masks)
-    clean, ablated, kept, none = (m.double().numpy() for m in margins)
-    ids = [e.example_id for e in validation.events]
-    necessity_value, necessity_ci = _ratio_ci(clean - ablated, clean, ids, seed)
-    sufficiency_value, sufficiency_ci = _ratio_ci(kept - none, clean - none, ids, seed)
-    covered = [
-        (clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR
-        for rows in (np.flatnonzero(np.asarray(ids) == e) for e in dict.fromkeys(ids))
-    ]
-    random = (
-        _random_baselines(
-            model,
-            discovery,
-            validation,
-            means,
-            heads,
-            max_size,
-            {"necessity": necessity_value, "sufficiency": sufficiency_value},
-            (float(clean.mean()), float(none.mean())),
-            random_draws,
-            seed,
-        )
-        if random_draws
-        else {}
-    )
-    stable = {}
-    if stability:
-        stable["stability"] = selection_frequencies(
-            model, discovery, means, pool, max_size, target, stability, seed + 2
-        )
-    return {
-        "heads": [list(h) for h in heads],
-        "size": len(heads),
-        "necessity": necessity_value,
-        "necessity_ci": list(necessity_ci),
-        "sufficiency": sufficiency_value,
-        "sufficiency_ci": list(sufficiency_ci),
-        "coverage": float(np.mean(covered)),
-        "n_events": len(validation),
-        "n_examples_discovery": len({e.example_id for e in discovery.events}),
-        "n_examples_validation": len(set(ids)),
-        "pool_size": len(pool),
-        "target": target,
-        "curves": necessity.to_rows() + sufficiency.to_rows(),
-        **random,
-        **stable,
-    }
+    method: str = "ranking",
+) -> FaithfulnessCurve:
+    """The exact `measure` of the top-n heads of `ranking` for n = 0 (necessity) or 1
+    (sufficiency) up to `max_size`, every set in one batched call: a mask's (or any ranking's)
+    curve, comparable point for point with the greedy search's."""
+    if measure not in MEASURES:
+        raise ValueError(f"unknown measure {measure!r}; expected one of {MEASURES}")
+    ranking = [as_head(h) for h in ranking]
+    if len(set(ranking)) != len(ranking):
+        raise ValueError(f"a ranking names each head once; {ranking} repeats some")
+    validate_heads(model, ranking)  # in range (it returns them sorted: the order is ours)
+    backend = backend_for(model)
+    clean = mean_clean_margin(backend, batch, means)
+    first = 0 if measure == "necessity" else 1
+    sets = [tuple(ranking[:n]) for n in range(first, min(max_size, len(ranking)) + 1)]
+    if measure == "necessity":
+        left = mean_set_margins(backend, batch, means, sets, keep=False)
+        values = [(clean - m) / clean for m in left]
+    else:
+        empty, *kept = mean_set_margins(backend, batch, means, [(), *sets], keep=True)
+        values = [(m - empty) / (clean - empty) for m in kept]
+    return FaithfulnessCurve(measure, tuple(sets), tuple(values), len(ranking), len(batch), method)

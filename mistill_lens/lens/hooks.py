@@ -396,6 +396,35 @@ def row_set_ablation_hooks(
     ]
 
 
+def gated_ablation_hooks(
+    model: HookedModel,
+    gates: Float[Tensor, "layer head"],
+    means: HeadMeans,
+    position_class: Int[Tensor, "batch pos"],
+) -> list[HookPair]:
+    """Partial mean-ablation: at the classed positions each head's hook_z becomes
+    ``z + gate * (mean - z)``, so gate 0 leaves the head as it is and gate 1 mean-ablates it
+    (:func:`mean_ablation_hooks`). Differentiable in `gates`: a learned mask optimises them."""
+    n_layers, n_heads = n_layers_heads(model)
+    if gates.shape != (n_layers, n_heads):
+        raise ValueError(
+            f"gates of shape {tuple(gates.shape)} on a model of {n_layers} layers x {n_heads} heads"
+        )
+    _check_means(model, means, position_class)
+
+    def blend(layer: int) -> HookFn:
+        def hook(act: Tensor, hook) -> Tensor:
+            _check_z(act, n_heads, tuple(position_class.shape), "gated ablation")
+            mean = means.means[:, layer].to(act.dtype)[position_class.clamp(min=0)]
+            at_event = (position_class >= 0)[:, :, None, None].to(act.dtype)
+            gate = gates[layer].to(act.dtype)[None, None, :, None]
+            return act + at_event * gate * (mean - act)
+
+        return hook
+
+    return [(z_hook_name(layer), blend(layer)) for layer in range(n_layers)]
+
+
 def ablate_all_but_hooks(
     model: HookedModel,
     keep: Iterable[Head],

@@ -215,11 +215,18 @@ def elicitation_figure(curve: pd.DataFrame, kind: str = "region") -> go.Figure:
 
 
 MEASURE_COLOURS = {"necessity": "#1f77b4", "sufficiency": "#ff7f0e"}
+METHOD_DASHES = {"greedy": "solid", "mask": "dash", "single": "dashdot"}
+METHOD_NAMES = {
+    "greedy": "greedy search",
+    "mask": "learned mask, top n",
+    "single": "single-head ranking, top n",
+}
 
 
 def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
-    """Per kind (a ``summary.json`` ``faithful`` block): the greedy searches' curves on the
-    discovery events, the band random head sets of each size make on the same events (central 95 %
+    """Per kind (a ``summary.json`` ``faithful`` block): each search method's curves on the
+    discovery events (the greedy search solid; a learned mask's and the single-head ranking's
+    top-n sets dashed, when compared), the band random head sets of each size make on the same events (central 95 %
     of the draws, and their mean), and the found set measured on the validation events."""
     kinds = list(faithful)
     fig = make_subplots(
@@ -269,22 +276,24 @@ def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
                     row=1,
                     col=col,
                 )
-            rows = curves[curves["measure"] == measure]
-            fig.add_trace(
-                go.Scatter(
-                    x=rows["size"],
-                    y=rows["value"],
-                    mode="lines+markers",
-                    line=dict(color=colour),
-                    text=rows["heads"],
-                    hovertemplate="%{x} heads: %{y:.2f}<br>%{text}<extra></extra>",
-                    name=f"{measure}: greedy search (discovery)",
-                    legendgroup=f"greedy {measure}",
-                    showlegend=legend,
-                ),
-                row=1,
-                col=col,
-            )
+            if "method" not in curves:  # a summary written before methods were compared
+                curves["method"] = "greedy"
+            for method, rows in curves[curves["measure"] == measure].groupby("method", sort=False):
+                fig.add_trace(
+                    go.Scatter(
+                        x=rows["size"],
+                        y=rows["value"],
+                        mode="lines+markers",
+                        line=dict(color=colour, dash=METHOD_DASHES.get(method, "solid")),
+                        text=rows["heads"],
+                        hovertemplate="%{x} heads: %{y:.2f}<br>%{text}<extra></extra>",
+                        name=f"{measure}: {METHOD_NAMES.get(method, method)} (discovery)",
+                        legendgroup=f"{method} {measure}",
+                        showlegend=legend,
+                    ),
+                    row=1,
+                    col=col,
+                )
             low, high = found[f"{measure}_ci"]
             fig.add_trace(
                 go.Scatter(
@@ -307,7 +316,7 @@ def faithfulness_figure(faithful: Mapping[str, Mapping]) -> go.Figure:
         fig.add_hline(y=found["target"], line_dash="dash", line_color="grey", row=1, col=col)
         fig.update_xaxes(title_text="heads in the set", row=1, col=col)
     fig.update_yaxes(title_text="share of the margin (sufficiency: normalised)", row=1, col=1)
-    fig.update_layout(title="Faithfulness of head sets: greedy search vs random sets of each size")
+    fig.update_layout(title="Faithfulness of head sets: the search vs random sets of each size")
     return fig
 
 

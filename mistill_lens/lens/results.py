@@ -19,6 +19,7 @@ from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.circuits import circuit_measures, phase_structure
 from mistill_lens.lens.elicitation import top_heads
 from mistill_lens.lens.events import DecisionEvent, EncodedExample
+from mistill_lens.lens.faithful_search import METHODS
 from mistill_lens.lens.hooks import Head
 from mistill_lens.options import check_options
 
@@ -72,11 +73,17 @@ class CharacterizeConfig:
     # target is the necessity and normalised sufficiency to reach; `faithful_random_draws` random
     # head sets per size are the baseline (0: none); `faithful_stability` bootstrap resamples of
     # the discovery examples rerun the search to say how often each pool head is chosen (0: none).
+    # `faithful_method` searches (lens/faithful_search.py: greedy, a learned mask of
+    # `faithful_mask_steps` steps, or the single-head ranking); `faithful_compare` runs all three
+    # on the same pool and events and records each one's set and curves.
     faithful_pool: int | None = None
     faithful_max_size: int = 32
     faithful_target: float = 0.8
     faithful_random_draws: int = 20
     faithful_stability: int = 0
+    faithful_method: str = "greedy"
+    faithful_compare: bool = False
+    faithful_mask_steps: int = 100
     # The layer outputs' shares of the margin (lens/components.py: each layer's hook_mlp_out and
     # hook_attn_out at the events replaced by its per-kind reference mean, alone and cumulatively):
     # "are the decisions made by heads or by MLPs at the decision token?"
@@ -102,10 +109,15 @@ class CharacterizeConfig:
             faithful_max_size=options.positive,
             faithful_random_draws=options.non_negative,
             faithful_stability=options.non_negative,
+            faithful_mask_steps=options.positive,
         )
         if not 0 < self.faithful_target <= 1:
             raise ValueError(
                 f"faithful_target must be a share of the margin in (0, 1], got {self.faithful_target}"
+            )
+        if self.faithful_method not in METHODS:
+            raise ValueError(
+                f"faithful_method must be one of {METHODS}, got {self.faithful_method!r}"
             )
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
