@@ -95,6 +95,29 @@ def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
     assert summary["examples"] == str(examples) and summary["warnings"] == []
 
 
+def test_a_task_whose_events_name_no_region_gets_no_families_panel(tmp_path, capsys):
+    """Attention families are measured against each event's region and near-miss text: events
+    naming neither have none, so the summary lists none and no empty families figure is drawn."""
+    model_dir = save_checkpoint(
+        planted_hf_model(), planted_tokenizer(tmp_path / "tok"), tmp_path / "model", {}
+    )
+    files = {}
+    for name, n, seed in (("examples", 32, 0), ("reference", 40, 1)):
+        rows = short_answer_examples(n, seed=seed)
+        for row in rows:
+            del row["events"][0]["region"]
+        files[name] = write(rows, tmp_path / f"{name}.jsonl")
+    out = tmp_path / "char"
+    cli.main(
+        ["characterize", "--model", str(model_dir), "--examples", str(files["examples"])]
+        + ["--reference", str(files["reference"]), "--out", str(out), "--no-progress"]
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert "families" not in summary and summary["circuit"] == [list(DECIDER)]
+    assert not (out / "figures" / "attention_families.html").exists()
+    assert (out / "figures" / "head_maps.html").is_file()
+
+
 def test_bad_example_files_name_the_line(tmp_path, capsys):
     rows = short_answer_examples(3, seed=0)
     latin1 = tmp_path / "latin1.jsonl"

@@ -301,7 +301,9 @@ def _families(
     model: HookedModel, batch: EventBatch, encoded, examples, near_miss_text
 ) -> pd.DataFrame:
     """Each head's attention mass on each family's target tokens (the region's candidate lines,
-    the near-miss named earlier, ...) at the events, against the uniform baseline."""
+    the near-miss named earlier, ...) at the events, against the uniform baseline. A family with no
+    target token at any event (a task whose events name no region) is left out, and with none left
+    the table is empty (no families figure: a panel that does not apply is not drawn)."""
     by_id = {x.example_id: x for x in encoded}
     targets = [
         family_targets(
@@ -312,10 +314,11 @@ def _families(
         for e in batch.events
     ]
     families = pd.DataFrame()
-    if targets:
+    applicable = [f for f in targets[0] if any(t[f] for t in targets)] if targets else []
+    if applicable:
         masses = {
             family: attention_mass(model, batch, [t[family] for t in targets])
-            for family in targets[0]
+            for family in applicable
         }
         baselines = {
             family: torch.tensor(
