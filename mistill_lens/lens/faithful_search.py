@@ -206,17 +206,23 @@ def _random_baselines(
     }
 
 
-def _validated(model, validation: EventBatch, means: HeadMeans, sets: dict) -> dict:
+def _validated(
+    model,
+    validation: EventBatch,
+    means: HeadMeans,
+    sets: dict,
+    clean_and_none: tuple[float, float],
+) -> dict:
     """Each method's found set with its necessity and normalised sufficiency on the validation
-    events (point values; one batched call for every set)."""
+    events (point values; one batched call for every set). `clean_and_none`: the validation
+    events' mean clean and all-ablated margins, already measured by the caller."""
+    clean, none = clean_and_none
     masks = [head_mask(model, heads) for heads in sets.values()]
-    masks = torch.stack(
-        [torch.zeros_like(masks[0]), torch.ones_like(masks[0]), *masks, *[~m for m in masks]]
+    margins = backend_for(model).set_margins(
+        validation, means, torch.stack([*masks, *[~m for m in masks]])
     )
-    clean, none, *rest = (
-        backend_for(model).set_margins(validation, means, masks).double().mean(dim=1).tolist()
-    )
-    ablated, kept = rest[: len(sets)], rest[len(sets) :]
+    means_by_mask = margins.double().mean(dim=1).tolist()
+    ablated, kept = means_by_mask[: len(sets)], means_by_mask[len(sets) :]
     return {
         method: {
             "heads": [list(h) for h in heads],
@@ -310,7 +316,9 @@ def faithful_circuit(
         "pool_size": len(pool),
         "target": search.target,
         "method": search.method,
-        "methods": _validated(model, validation, means, sets),
+        "methods": _validated(
+            model, validation, means, sets, (float(clean.mean()), float(none.mean()))
+        ),
         "curves": [row for curve in curves for row in curve.to_rows()],
         **random,
         **stable,

@@ -109,6 +109,16 @@ def positive_clean(clean: float, n_events: int) -> float:
     return clean
 
 
+def check_baseline_gap(clean: float, empty: float) -> None:
+    """Refuse events on which ablating every head leaves the mean margin where it was: a share of
+    the gap between the two (normalised sufficiency) means nothing there."""
+    if abs(clean - empty) < 1e-6 * max(abs(clean), 1.0):
+        raise ValueError(
+            "ablating every head leaves the mean margin where it was: sufficiency (normalised by "
+            "that baseline) is undefined for these events"
+        )
+
+
 def necessity_curve(
     model: HookedModel,
     batch: EventBatch,
@@ -148,11 +158,7 @@ def sufficiency_curve(
     pool = validate_heads(model, pool)
     clean = mean_clean_margin(model, batch, means)
     empty, whole = mean_set_margins(model, batch, means, [[], list(pool)], keep=True)
-    if abs(clean - empty) < 1e-6 * max(abs(clean), 1.0):
-        raise ValueError(
-            "ablating every head leaves the mean margin where it was: sufficiency (normalised by "
-            "that baseline) is undefined for these events"
-        )
+    check_baseline_gap(clean, empty)
 
     def normalised(margin: float) -> float:
         return (margin - empty) / (clean - empty)

@@ -27,7 +27,12 @@ from tqdm.auto import tqdm
 
 from mistill_lens.lens.backends import backend_for
 from mistill_lens.lens.events import EventBatch
-from mistill_lens.lens.faithfulness import MEASURES, mean_clean_margin, mean_set_margins
+from mistill_lens.lens.faithfulness import (
+    MEASURES,
+    check_baseline_gap,
+    mean_clean_margin,
+    mean_set_margins,
+)
 from mistill_lens.lens.hooks import (
     HeadMeans,
     event_position_classes,
@@ -60,11 +65,11 @@ def learn_mask(
     backend = backend_for(model)
     clean = mean_clean_margin(backend, batch, means)
     empty = mean_set_margins(backend, batch, means, [[]], keep=True)[0]
-    scale = clean if measure == "necessity" else clean - empty
-    if abs(scale) < 1e-6 * max(abs(clean), 1.0):
+    if measure == "sufficiency":
+        check_baseline_gap(clean, empty)
+    elif clean < 1e-6:
         raise ValueError(
-            "ablating every head leaves the mean margin where it was: a mask that keeps the "
-            "margin is undefined for these events"
+            f"the mean clean margin of these events is {clean:.3g}: a share of it means nothing"
         )
     logits = torch.zeros(n_layers_heads(backend.model), requires_grad=True)
     optimizer = torch.optim.Adam([logits], lr=lr)
@@ -77,7 +82,7 @@ def learn_mask(
 
     for _ in tqdm(range(steps), desc=f"learned {measure} mask", disable=not progress):
         margin = backend.differentiable_margins(batch, hooks_for).mean()
-        share = margin / clean if measure == "necessity" else -(margin - empty) / scale
+        share = margin / clean if measure == "necessity" else -(margin - empty) / (clean - empty)
         loss = share + sparsity * torch.sigmoid(logits).sum()
         optimizer.zero_grad()
         loss.backward()
