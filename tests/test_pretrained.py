@@ -267,3 +267,15 @@ def test_consistency_check_catches_the_bridge_kv_cache_bug(smollm2, capital_gene
         "cached bridge generation now agrees with a full forward: the upstream bug looks fixed, "
         "so greedy_tokens could use the cache (update this test and the docs)"
     )
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_dequantising_bar_is_hidden_on_request_and_restored(capfd, shown):
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    bar = loader.tqdm
+    with pretrained._dequantising_bar(shown):
+        for _ in loader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert ("de-quantizing" in capfd.readouterr().err) == shown
+    assert loader.tqdm is bar

