@@ -1,5 +1,5 @@
-"""How long the command line takes to refuse bad arguments (usage errors are found before any
-heavy import): ``python benchmarks/cli_latency.py [REPEATS]``. Prints the median wall time of
+"""How long the command line takes to refuse bad arguments and models it cannot find (both are
+found before any heavy import): ``python benchmarks/cli_latency.py [REPEATS]``. Prints the median wall time of
 each command below over REPEATS runs (default 5), in a fresh interpreter each time."""
 
 import statistics
@@ -13,6 +13,11 @@ USAGE_ERRORS = [
     ["distill", "--student", "llama3", "--objective", "cot", "--out", "never"],
     ["train", "--steps", "-1", "--out", "never"],
     ["evaluate", "--n", "x"],
+    ["characterize", "--model", "Tiny", "--out", "never"],
+    ["characterize", "--reference", "ref.jsonl", "--out", "never"],
+    ["characterize", "--model", "gemma3", "--out", "never"],
+    ["characterize", "--elicitation-kind", "answer", "--out", "never"],
+    ["evaluate", "--model", "Tiny"],
 ]
 
 

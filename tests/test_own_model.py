@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mistill_lens import cli
 from mistill_lens.models.checkpoints import CheckpointError, load_model, model_kind
+from mistill_lens.models.registry import check_model_spec
 from mistill_lens.models.tokenizers import student_tokenizer
 
 
@@ -66,6 +67,23 @@ def test_a_hugging_face_folder_loads_and_equals_its_plain_forward(tmp_path):
         torch.testing.assert_close(bridge(ids), model(ids).logits, atol=1e-5, rtol=0)
 
 
+def test_an_architecture_without_a_bridge_is_refused_by_name():
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    from mistill_lens.models.bridge import UnsupportedArchitecture, to_bridge
+
+    tokenizer = student_tokenizer()
+    config = BioGptConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    with pytest.raises(UnsupportedArchitecture, match="BioGptForCausalLM: TransformerLens 4"):
+        to_bridge(BioGptForCausalLM(config), tokenizer)
+
+
 def test_models_are_named_by_one_registry_and_unknown_ones_list_the_kinds(tmp_path):
     assert [model_kind(s) for s in ("default", "tiny", "smollm2", "gemma3", "x/m.gguf")] == [
         "shipped",
@@ -76,6 +94,14 @@ def test_models_are_named_by_one_registry_and_unknown_ones_list_the_kinds(tmp_pa
     ]
     with pytest.raises(CheckpointError, match="does not exist; a model is one of: shipped"):
         load_model(tmp_path / "missing")
+    with pytest.raises(
+        FileNotFoundError, match="did you mean 'tiny'\\? a model is one of: shipped"
+    ):
+        check_model_spec("Tiny")
+    with pytest.raises(FileNotFoundError, match="GGUF file x/m.gguf does not exist"):
+        check_model_spec("x/m.gguf")
+    for spec in ("default", "gemma3", tmp_path):
+        check_model_spec(spec)
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])

@@ -3,6 +3,7 @@
 
 import json
 
+import pandas as pd
 import pytest
 from planted import (
     DECIDER,
@@ -93,6 +94,8 @@ def test_a_non_icd_task_with_short_answers_runs_end_to_end(tmp_path, capsys):
     assert summary["families"]["L0H0/answer"] == "region_candidates"
     assert summary["elicitation"] == {"skipped": "no elicitation_kind configured"}
     assert summary["examples"] == str(examples) and summary["warnings"] == []
+    events = pd.read_csv(tmp_path / "char" / "events.csv")  # each event names its example's id
+    assert events["id"].tolist() == [f"q0-{i}" for i in events["example_id"]]
 
 
 def test_a_task_whose_events_name_no_region_gets_no_families_panel(tmp_path, capsys):
@@ -158,3 +161,36 @@ def test_bad_example_files_name_the_line(tmp_path, capsys):
             ]
         )
     assert exit_.value.code == 2 and "examples file" in capsys.readouterr().err
+
+
+def test_problems_found_at_tokenization_name_file_line_and_id_before_any_folder(tmp_path, capsys):
+    model_dir = save_checkpoint(
+        planted_hf_model(), planted_tokenizer(tmp_path / "tok"), tmp_path / "model", {}
+    )
+    rows = short_answer_examples(3, seed=0)
+    n_ctx = json.loads((model_dir / "config.json").read_text())["n_positions"]
+    long = rows[1]["prompt"] * (n_ctx + 1)  # at least a token per copy
+    rows[1] = {**rows[1], "prompt": long}
+    for event in rows[1]["events"]:  # the answer follows the prompt
+        event["start"], event["end"] = len(long), len(long) + len(event["chosen"])
+    examples = write(rows, tmp_path / "long.jsonl")
+    out = tmp_path / "char"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(
+            ["characterize", "--model", str(model_dir), "--examples", str(examples)]
+            + ["--out", str(out), "--no-progress"]
+        )
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"the longest, {examples}, line 2 (id 'q0-1')" in error
+    assert not out.exists()
+
+
+def test_the_elicitation_kind_must_be_a_kind_of_your_events(tmp_path, capsys):
+    examples = write(short_answer_examples(3, seed=0), tmp_path / "questions.jsonl")
+    with pytest.raises(SystemExit):
+        cli.main(
+            ["characterize", "--model", "tiny", "--examples", str(examples)]
+            + ["--elicitation-kind", "region", "--out", str(tmp_path / "char")]
+        )
+    assert "their kinds are ['answer']" in capsys.readouterr().err
+    assert not (tmp_path / "char").exists()

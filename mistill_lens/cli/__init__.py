@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     prefix = f"mistill-lens {args.command}"
     if getattr(args, "no_progress", False):
         _silence_loading_bars()
-    from mistill_lens.lens.fingerprint import StaleResultWarning
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
+        # imported here: the module needs torch, which a usage error should not wait for
+        from mistill_lens.lens.fingerprint import StaleResultWarning
+
         if issubclass(category, StaleResultWarning):
             print(f"{prefix}: warning: {message}", file=sys.stderr)
         else:

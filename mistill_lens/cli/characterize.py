@@ -159,6 +159,14 @@ def add_parser(sub) -> None:
         "one's set, its validation measures and its curves (summary.json: faithful.<kind>.methods)",
     )
     parser.add_argument(
+        "--elicitation-kind",
+        default=None,
+        metavar="KIND",
+        help="with --examples: the event kind whose early readout is measured (early elicitation: "
+        "how many tokens before its event a mid-layer readout names the choice); default: none, "
+        "skipped. The ICD task always reads its region events",
+    )
+    parser.add_argument(
         "--no-engine",
         action="store_true",
         help="run every intervention as a full forward (the reference path; slow) instead of on "
@@ -173,8 +181,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """The model's kind picks the path: the ICD task, SmolLM2 zero-shot, or ``--examples``."""
-    from mistill_lens.lens.outputs import check_characterize_dir
-    from mistill_lens.models.checkpoints import model_kind, read_metadata
+    from mistill_lens.lens.run_folder import check_characterize_dir
+    from mistill_lens.models.registry import check_model_spec, model_kind
 
     if args.reference and not args.examples:
         raise ValueError(
@@ -193,6 +201,12 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"{needs_pool[0]} sets up the faithfulness search: give --faithful POOL too"
         )
+    if args.elicitation_kind is not None and not args.examples:
+        raise ValueError(
+            f"--elicitation-kind {args.elicitation_kind!r} names a kind of your own examples' "
+            "events: give --examples too (the ICD task reads its region events)"
+        )
+    check_model_spec(args.model)
     untrained = model_kind(args.model) in ("base", "gguf") and args.model != "smollm2"
     if untrained and not args.examples:
         raise ValueError(
@@ -209,6 +223,8 @@ def run(args: argparse.Namespace) -> dict:
         from mistill_lens.task.zero_shot import SMOLLM2_TASK_DEFAULTS
 
         return run_smollm2(args, task_config(args, SMOLLM2_TASK_DEFAULTS))
+    from mistill_lens.models.checkpoints import read_metadata
+
     return run_task(args, task_config(args, read_metadata(args.model).get("config")))
 
 
@@ -254,11 +270,11 @@ def _finish(result: Characterization, out: Path) -> dict:
 
 def run_task(args: argparse.Namespace, task_options: Mapping[str, Any]) -> dict:
     """A checkpoint (or ``default``) on the ICD task's examples."""
-    from mistill_lens.lens.outputs import prepare_output
+    from mistill_lens.lens.run_folder import prepare_output
     from mistill_lens.models.checkpoints import load_model
     from mistill_lens.task.characterize import characterize_task, task_examples
 
-    bridge, tokenizer = load_model(args.model)
+    bridge, tokenizer = load_model(args.model, progress=not args.no_progress)
     examples, reference = task_examples(
         args.n or DEFAULT_N, args.seed, args.split, task_options, args.n_reference
     )
@@ -301,14 +317,21 @@ def check_k_fits(n_ctx, tokenizer, examples, args, task_options) -> None:
 def run_examples(args: argparse.Namespace) -> dict:
     """A checkpoint (or ``default``) on a user's examples; the means come from ``--reference``
     examples, or from the analysed ones when none are given (recorded as a warning)."""
-    from mistill_lens.lens.characterize import characterize
+    from mistill_lens.lens.characterize import characterize, encode_checked
     from mistill_lens.lens.examples import read_examples
-    from mistill_lens.lens.outputs import prepare_output
+    from mistill_lens.lens.run_folder import prepare_output
     from mistill_lens.models.checkpoints import load_model
 
     examples = read_examples(args.examples)
     reference = read_examples(args.reference) if args.reference else examples
-    bridge, tokenizer = load_model(args.model)
+    kinds = sorted({event.kind for example in examples for event in example.events})
+    if args.elicitation_kind is not None and args.elicitation_kind not in kinds:
+        raise ValueError(
+            f"--elicitation-kind {args.elicitation_kind!r} is not a kind of the events in "
+            f"{args.examples}; their kinds are {kinds}"
+        )
+    bridge, tokenizer = load_model(args.model, progress=not args.no_progress)
+    encode_checked(bridge, tokenizer, examples, reference)  # refused before --out is claimed
     provenance = {
         "command": _command(),
         "model": str(args.model),
@@ -319,8 +342,9 @@ def run_examples(args: argparse.Namespace) -> dict:
         else ["no --reference examples: the means come from the analysed examples themselves"],
     }
     out = prepare_output(args.out)
+    config = _config(args, elicitation_kind=args.elicitation_kind)
     result = characterize(
-        bridge, tokenizer, examples, reference, _config(args), sweep_dir=out, provenance=provenance
+        bridge, tokenizer, examples, reference, config, sweep_dir=out, provenance=provenance
     )
     return _finish(result, out)
 
@@ -335,11 +359,10 @@ def write_generations(examples, path: Path) -> None:
 def run_smollm2(args: argparse.Namespace, task_options: Mapping[str, Any]) -> dict:
     """``--model smollm2``: zero-shot replies of SmolLM2 to task examples (and to separate
     reference examples for the means), then the same pipeline as a checkpoint."""
-    from mistill_lens.lens.outputs import prepare_output
+    from mistill_lens.lens.run_folder import prepare_output
     from mistill_lens.task import zero_shot
     from mistill_lens.task.characterize import characterize_task, task_examples
 
-    out_dir = prepare_output(args.out)
     bridge, tokenizer, draft = zero_shot.load_smollm2_with_draft()
     n = args.n or zero_shot.SMOLLM2_DEFAULT_N
     examples, reference = task_examples(
@@ -349,6 +372,8 @@ def run_smollm2(args: argparse.Namespace, task_options: Mapping[str, Any]) -> di
         task_options,
         args.n_reference or max(n, zero_shot.SMOLLM2_MIN_REFERENCE),
     )
+    check_k_fits(bridge.cfg.n_ctx, tokenizer, examples + reference, args, task_options)
+    out_dir = prepare_output(args.out)
     analysed = zero_shot.zero_shot_examples(bridge, tokenizer, examples, draft)
     references = zero_shot.zero_shot_examples(bridge, tokenizer, reference, draft)
     del draft  # generation is done; the pipeline only needs the bridge

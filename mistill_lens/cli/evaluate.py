@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from mistill_lens.models.registry import check_model_spec
+
+    check_model_spec(args.model)  # before the heavy imports below
     from mistill_lens import task
     from mistill_lens.models.checkpoints import load_hf_model, read_metadata
     from mistill_lens.runs import claim_output_file

@@ -56,6 +56,7 @@ from mistill_lens.lens.events import (
     kind_mask,
     make_event_batch,
 )
+from mistill_lens.lens.examples import example_name, own_id
 from mistill_lens.lens.faithful_search import METHODS, MIN_RESAMPLES, Search, faithful_circuit
 from mistill_lens.lens.fingerprint import StaleResultWarning
 from mistill_lens.lens.hooks import (
@@ -82,21 +83,43 @@ REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash 
 def encode(
     examples: Sequence[Any], tokenizer: Tokenizer, first_id: int = 0
 ) -> list[EncodedExample]:
-    return [
-        events_from_spans(example, tokenizer, first_id + i) for i, example in enumerate(examples)
-    ]
+    """Each example's events on the tokenizer's tokens; a problem found there (a span that
+    tokenizes differently in context, a chosen and contrast with the same token) is a ValueError
+    naming the example (file, line and ``id`` when it has them)."""
+    encoded = []
+    for i, example in enumerate(examples):
+        try:
+            encoded.append(events_from_spans(example, tokenizer, first_id + i))
+        except ValueError as err:
+            raise ValueError(f"{example_name(example, i)}: {err}") from err
+    return encoded
 
 
-def check_context(model: HookedModel, encoded: Sequence[EncodedExample], what: str) -> None:
+def check_context(
+    model: HookedModel, examples: Sequence[Any], encoded: Sequence[EncodedExample], what: str
+) -> None:
     """Every example fits the model's positions; else a ValueError naming the longest one."""
-    longest = max(encoded, key=lambda x: len(x.tokens), default=None)
-    if longest is not None and len(longest.tokens) > model.cfg.n_ctx:
-        too_long = sum(len(x.tokens) > model.cfg.n_ctx for x in encoded)
+    lengths = [len(x.tokens) for x in encoded]
+    if lengths and max(lengths) > model.cfg.n_ctx:
+        longest = lengths.index(max(lengths))
+        too_long = sum(n > model.cfg.n_ctx for n in lengths)
         raise ValueError(
             f"{too_long} of {len(encoded)} {what} are longer than the model's {model.cfg.n_ctx} "
-            f"positions (the longest, example {longest.example_id}, is {len(longest.tokens)} "
-            "tokens): give shorter examples or a model with a longer context"
+            f"positions (the longest, {example_name(examples[longest], longest)}, is "
+            f"{lengths[longest]} tokens): give shorter examples or a model with a longer context"
         )
+
+
+def encode_checked(
+    model: HookedModel, tokenizer: Tokenizer, examples: Sequence[Any], reference: Sequence[Any]
+) -> tuple[list[EncodedExample], list[EncodedExample]]:
+    """The analysed and reference examples encoded, each checked to fit the model: the checks a
+    caller can run before it writes anything."""
+    encoded = encode(examples, tokenizer)
+    encoded_reference = encode(reference, tokenizer, first_id=REFERENCE_ID_OFFSET)
+    check_context(model, examples, encoded, "examples")
+    check_context(model, reference, encoded_reference, "reference examples")
+    return encoded, encoded_reference
 
 
 def reference_means(
@@ -355,10 +378,7 @@ def _characterize(
     near_miss_text,
 ) -> Characterization:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    encoded = encode(examples, tokenizer)
-    reference = encode(reference_examples, tokenizer, first_id=REFERENCE_ID_OFFSET)
-    check_context(model, encoded, "examples")
-    check_context(model, reference, "reference examples")
+    encoded, reference = encode_checked(model, tokenizer, examples, reference_examples)
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 
     every_event = make_event_batch(encoded, pad_token_id=pad)
@@ -397,6 +417,9 @@ def _characterize(
         if circuit
         else None
     )
+    ids = [own_id(example) for example in examples]
+    if events is not None and any(i is not None for i in ids):  # the examples' own names
+        events.insert(1, "id", [ids[i] for i in events["example_id"]])
 
     families = _families(model, batch, encoded, examples, near_miss_text)
 

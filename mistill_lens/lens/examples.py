@@ -24,7 +24,7 @@ Short outputs are fine: null events then come from the whole text (see
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -58,13 +58,15 @@ class SpanExample:
     output: str
     events: tuple[SpanEvent, ...]
     id: Any = None
+    # where it was read ("examples.jsonl, line 3"), so that a problem found later names it
+    source: str = field(default="", compare=False)
 
     @property
     def text(self) -> str:
         return self.prompt + self.output
 
 
-def _example(row: Any) -> SpanExample:
+def _example(row: Any, source: str = "") -> SpanExample:
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
     for name in ("prompt", "output", "events"):
@@ -113,12 +115,13 @@ def _example(row: Any) -> SpanExample:
                 region=str(event.get("region", "")),
             )
         )
-    return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"))
+    return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"), source)
 
 
-def read_jsonl(path: str | Path, parse: Callable[[Any], T]) -> list[T]:
-    """Each non-empty line of a JSONL file through `parse`; a bad line is an error naming the file,
-    the line number and what is wrong (invalid JSON, a missing field, a malformed value)."""
+def read_jsonl(path: str | Path, parse: Callable[[Any, str], T]) -> list[T]:
+    """Each non-empty line of a JSONL file through `parse(row, "FILE, line N")`; a bad line is an
+    error naming the file, the line number and what is wrong (invalid JSON, a missing field, a
+    malformed value)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"examples file {path} does not exist")
@@ -135,7 +138,7 @@ def read_jsonl(path: str | Path, parse: Callable[[Any], T]) -> list[T]:
             if not line.strip():
                 continue
             try:
-                rows.append(parse(json.loads(line)))
+                rows.append(parse(json.loads(line), f"{path}, line {number}"))
             except json.JSONDecodeError as err:
                 raise ValueError(
                     f"{path}, line {number}: not valid JSON ({err.msg} at column {err.colno})"
@@ -145,6 +148,23 @@ def read_jsonl(path: str | Path, parse: Callable[[Any], T]) -> list[T]:
             except (ValueError, TypeError, AttributeError) as err:
                 raise ValueError(f"{path}, line {number}: {err}") from err
     return rows
+
+
+def _attribute(example: Any, name: str) -> Any:
+    return example.get(name) if isinstance(example, dict) else getattr(example, name, None)
+
+
+def own_id(example: Any) -> Any:
+    """The example's own ``id`` (a dict's key or an attribute), None when it has none."""
+    return _attribute(example, "id")
+
+
+def example_name(example: Any, index: int) -> str:
+    """How an error names an example: where it was read and its own ``id`` when it has them,
+    else its place in the list."""
+    source, own = _attribute(example, "source"), own_id(example)
+    name = source or f"example {index}"
+    return f"{name} (id {own!r})" if own is not None else name
 
 
 def read_examples(path: str | Path) -> list[SpanExample]:

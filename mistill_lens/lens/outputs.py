@@ -11,7 +11,6 @@ circuit is not empty), `families.csv`, `elicitation.csv`, `ablation_curve.csv`, 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,63 +21,8 @@ import torch
 from mistill_lens.lens import plot
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.results import Characterization, CharacterizeConfig, ExampleView
+from mistill_lens.lens.run_folder import EXAMPLE_FILE, RESUMABLE_FILES, SUMMARY, prepare_output
 from mistill_lens.lens.sweep import read_table
-from mistill_lens.runs import check_run_dir, claim_run_dir, legacy_run
-
-RUN_KIND = "characterize"
-SUMMARY = "summary.json"
-EXAMPLE_FILE = "example.json"  # one example token by token: the token-labelled figures
-RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
-DERIVED_FILES = (
-    "attribution.csv",
-    "calibration.csv",
-    "events.csv",
-    "families.csv",
-    "elicitation.csv",
-    "ablation_curve.csv",
-    "heads.json",
-    EXAMPLE_FILE,
-    SUMMARY,
-    "figures",
-)
-
-
-def claim_characterize_dir(out_dir: str | Path) -> Path:
-    """`out_dir` as a characterisation folder: new, empty, or an earlier characterisation's."""
-    return claim_run_dir(out_dir, RUN_KIND, _legacy_characterization)
-
-
-def check_characterize_dir(out_dir: str | Path) -> None:
-    """Refuse `out_dir` where :func:`claim_characterize_dir` would, writing nothing."""
-    check_run_dir(out_dir, RUN_KIND, _legacy_characterization)
-
-
-# A characterisation folder written before run markers existed: recognised by its files.
-_legacy_characterization = legacy_run(
-    [SUMMARY],
-    [
-        *RESUMABLE_FILES,
-        *DERIVED_FILES,
-        *(f + ".fingerprint.json" for f in RESUMABLE_FILES),
-        "generations.jsonl",
-        "reference_generations.jsonl",
-    ],
-)
-
-
-def prepare_output(out_dir: str | Path) -> Path:
-    """Claim `out_dir` as a characterisation folder and remove what an earlier run derived there
-    (every derived file is rewritten; a figure or table this run does not make must not survive,
-    and a folder without `summary.json` is never mistaken for a finished one). The resumable
-    sweep tables stay."""
-    out_dir = claim_characterize_dir(out_dir)
-    for name in DERIVED_FILES:
-        target = out_dir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-    return out_dir
 
 
 def write_characterization(result: Characterization, out_dir: str | Path) -> Path:

