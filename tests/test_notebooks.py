@@ -18,6 +18,8 @@ CHECKS = {
 ablated = ablated_margins(engine, batch, means, found.circuit)
 assert found.circuit and margin_by_kind(ablated)["near_miss"] < 0.5 * margin_by_kind(clean)["near_miss"]
 assert abs(float(row.sum()) - 1) < 1e-4 and query == event.predict_position
+# the heads shown are the ones found, the control is not one of them
+assert (LAYER, HEAD) in found.circuit and control not in found.circuit
 """,
     "02_ablation_sweeps": """
 assert len(sweep) == len(decided) * n_layers * n_heads and circuits["all"]
@@ -55,6 +57,9 @@ def test_committed_outputs_show_every_figure_as_an_image(path):
     figures = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert figures and all("image/png" in o["data"] for o in figures)
     assert not [o for o in outputs if o.get("name") == "stderr" or o["output_type"] == "error"]
+    # a notebook loading bar is a widget whose saved text is a bar stuck where the save caught it
+    bars = [o for o in outputs if "it/s]" in "".join(o.get("data", {}).get("text/plain", ""))]
+    assert not bars, bars
     html, _ = HTMLExporter().from_notebook_node(nbformat.read(path, as_version=4))
     assert html.count("data:image/png") >= len(figures)  # an nbconvert export shows them too
 

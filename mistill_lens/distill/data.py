@@ -68,7 +68,7 @@ def teacher_traces(
             ValueError
         ) as err:  # stale (a StaleResultError), truncated or unreadable: ours to redo
             warnings.warn(f"{err}: redone", StaleResultWarning, stacklevel=2)
-    model, tokenizer = load_hf_model(teacher_dir)
+    model, tokenizer = load_hf_model(teacher_dir, progress=progress)
     examples = task.generate_examples(n, seed, split, **task_config)
     kept = [
         example
