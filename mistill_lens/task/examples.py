@@ -492,7 +492,7 @@ def write_jsonl(examples: Iterable[Example], path: str | Path) -> None:
 def read_jsonl(path: str | Path) -> list[Example]:
     """Examples from a JSONL file written by :func:`write_jsonl`; a bad line is an error naming
     the file, its line number and what is wrong (invalid JSON, the missing field)."""
-    return read_jsonl_rows(path, Example.from_json)
+    return read_jsonl_rows(path, lambda row, _where: Example.from_json(row))
 
 
 @dataclass(frozen=True)
