@@ -236,7 +236,8 @@ def test_the_default_teacher_reproduces_its_record_and_beats_context_blind_basel
     among the options the list offers."""
     import json
 
-    from mistill_lens.models.checkpoints import DEFAULT_TEACHER, load_hf_model, read_metadata
+    from mistill_lens.models.checkpoints import load_hf_model, read_metadata
+    from mistill_lens.models.registry import DEFAULT_TEACHER
     from mistill_lens.task.metrics import teacher_forced_events
 
     record = json.loads((DEFAULT_TEACHER / "reference_scores.json").read_text())
