@@ -31,6 +31,7 @@ from mistill_lens.distill.data import reproduces_verbatim
 from mistill_lens.distill.evaluation import (
     EVALUATION_FILE,
     causal_recovery,
+    check_scores_match,
     evaluate_run,
     median_recovery,
 )
@@ -740,6 +741,20 @@ def test_the_gate_marks_cells_whose_cot_runs_cannot_do_the_task_and_pairs_must_m
     unpaired = pd.concat([frame, pd.DataFrame([row("gemma3", "mistill", 0, 0.5, 0.5, paired="b")])])
     with pytest.raises(ValueError, match="not a pair"):
         paired_comparison(unpaired)
+
+
+def test_scores_given_to_evaluate_run_must_come_from_the_same_prompts(tmp_path):
+    """An `evaluate` record stands in for the held-out generation only when it scored the
+    prompts evaluate_run would (split, n, seed, task); otherwise it is refused, naming what
+    differs, before any model loads."""
+    record = {"code_f1": 0.5, "split": "heldout", "n": 50, "seed": 0, **TASK}
+    check_scores_match(record, 50, 0, TASK)  # the same prompts: accepted
+    with pytest.raises(ValueError, match=r"n 20 \(wanted 50\), seed 3 \(wanted 0\)"):
+        check_scores_match({**record, "n": 20, "seed": 3}, 50, 0, TASK)
+    with pytest.raises(ValueError, match=r"split 'validation' \(wanted 'heldout'\)"):
+        evaluate_run(tmp_path / "absent", TASK, n_eval=50, scores={**record, "split": "validation"})
+    with pytest.raises(ValueError, match=r"k 64 \(wanted 8\)"):
+        check_scores_match({**record, "k": 64}, 50, 0, TASK)
 
 
 def test_evaluate_and_report_over_runs(teacher, examples, tmp_path):

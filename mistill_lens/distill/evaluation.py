@@ -139,6 +139,22 @@ def median_recovery(characterization_dir: str | Path, kind: str = "near_miss") -
     return read_characterization(characterization_dir).median_recovery(kind)
 
 
+def check_scores_match(scores: Mapping, n_eval: int, seed: int, task_config: Mapping) -> None:
+    """Refuse an ``evaluate`` record made on other prompts than `evaluate_run` would score."""
+    wanted = {"split": "heldout", "n": n_eval, "seed": seed}
+    wanted.update((key, task_config[key]) for key in ("universe_size", "k", "max_mentions"))
+    differ = {key: (scores.get(key), value) for key, value in wanted.items()}
+    differ = {key: pair for key, pair in differ.items() if pair[0] != pair[1]}
+    if differ:
+        said = ", ".join(
+            f"{key} {got!r} (wanted {value!r})" for key, (got, value) in differ.items()
+        )
+        raise ValueError(
+            f"the given scores were made on other prompts: {said}; evaluate on the held-out "
+            "split with the same n, seed and task, or pass no scores"
+        )
+
+
 def evaluate_run(
     run_dir: str | Path,
     task_config: dict,
@@ -148,12 +164,20 @@ def evaluate_run(
     seed: int = 0,
     progress: bool = True,
     characterize_config: CharacterizeConfig | None = None,
+    scores: Mapping | None = None,
 ) -> dict:
-    """Task metrics on held-out prompts and causal recovery; written to ``evaluation.json``."""
+    """Task metrics on held-out prompts and causal recovery; written to ``evaluation.json``.
+    `scores`: an ``evaluate`` record of this model on the same held-out prompts (split, n and
+    seed), used in place of generating them again (the generation is most of the cost)."""
     run_dir = Path(run_dir)
-    model, tokenizer = load_hf_model(run_dir)  # fp32 compute; bf16 weights are exact in fp32
-    heldout = task.generate_examples(n_eval, seed, "heldout", **task_config)
-    scores, _ = evaluate(model, tokenizer, heldout, task_config["universe_size"], progress=progress)
+    if scores is None:
+        model, tokenizer = load_hf_model(run_dir)  # fp32 compute; bf16 weights are exact in fp32
+        heldout = task.generate_examples(n_eval, seed, "heldout", **task_config)
+        scores, _ = evaluate(
+            model, tokenizer, heldout, task_config["universe_size"], progress=progress
+        )
+    else:
+        check_scores_match(scores, n_eval, seed, task_config)
     bridge, tokenizer = load_model(run_dir)
     examples, reference = task_examples(n_characterize, seed + 1, "heldout", task_config)
     # The characterisation folder is this run's own: after more training its sweeps are stale and redone.
