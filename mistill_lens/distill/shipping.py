@@ -71,7 +71,7 @@ def ship_student(run_dir: str | Path, dest: str | Path) -> Path:
         raise OutputError(f"{dest} already exists: ship into a new folder")
     names = [ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, METADATA_FILE]
     names += [EVALUATION_FILE] if (run_dir / EVALUATION_FILE).is_file() else []
-    dest.mkdir()
+    dest.mkdir(parents=True)
     staging = staging_dir(dest)
     for name in names:
         shutil.copyfile(run_dir / name, staging / name)

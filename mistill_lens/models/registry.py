@@ -16,6 +16,16 @@ ASSETS = Path(__file__).parent.parent / "assets"
 DEFAULT_TEACHER = ASSETS / "teacher"
 TINY_TEACHER = ASSETS / "teacher_tiny"
 SHIPPED_TEACHERS = {"default": DEFAULT_TEACHER, "tiny": TINY_TEACHER}
+# The shipped distilled students: LoRA adapters on a pretrained base, one folder each, named
+# <family>-<objective>-<precision>-<seed>; each is a checkpoint folder any command takes.
+SHIPPED_STUDENTS = ASSETS / "students"
+
+
+def shipped_students() -> dict[str, Path]:
+    """The shipped students' folders by name (empty where none ships)."""
+    if not SHIPPED_STUDENTS.is_dir():
+        return {}
+    return {path.name: path for path in sorted(SHIPPED_STUDENTS.iterdir()) if path.is_dir()}
 
 
 def resolve(spec: str | Path) -> Path:
