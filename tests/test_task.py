@@ -60,6 +60,17 @@ def test_event_kinds_point_at_region_and_suffix_of_the_gold_code(examples):
             assert within.contrast in {
                 suffix_of(c) for c in ex.candidates if region_of(c) == region.chosen
             }
+            # the rivals a model's clean run picks from: every other region among the
+            # candidates; the region's other candidate codes but the code and its near-miss
+            assert region.rivals == tuple(
+                dict.fromkeys(region_of(c) for c in ex.candidates if region_of(c) != region.chosen)
+            )
+            assert set(within.rivals) == {
+                suffix_of(c)
+                for c in ex.candidates
+                if region_of(c) == region.chosen and c not in (mention.code, mention.near_miss)
+            }
+            assert near_miss.rivals is None
 
 
 def _named_in_excludes_notes(code: str, other: str) -> bool:

@@ -121,6 +121,14 @@ def add_parser(sub) -> None:
         "(summary.json: faithful); costs a few minutes per kind on the default teacher",
     )
     parser.add_argument(
+        "--contrasts",
+        choices=("strongest", "listed"),
+        default="strongest",
+        help="what each event's margin is measured against: the rival the model ranks highest at "
+        "its clean run among those the examples name, frozen for every intervention (default), "
+        "or the examples' one listed contrast (the rule of runs before 2026-12-07)",
+    )
+    parser.add_argument(
         "--components",
         action="store_true",
         help="also measure the layer outputs' shares of each kind's margin (every layer's MLP and "
@@ -247,6 +255,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         faithful_method=args.faithful_method,
         faithful_compare=args.faithful_compare,
         components=args.components,
+        contrasts=args.contrasts,
     )
     return replace(config, **overrides)
 

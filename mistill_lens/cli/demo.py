@@ -19,6 +19,9 @@ from mistill_lens.cli.arguments import POSITIVE_INT, SEED, parse_command
 from mistill_lens.models.registry import shipped_students
 
 NO_STUDENTS = "none"
+# prompts decoded together in the accuracy stages: a decode step reads every weight once for all
+# rows, and this machine's memory bandwidth, not its arithmetic, bounds decoding
+DECODE_BATCH = 8
 
 
 def add_parser(sub) -> None:
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> dict:
         return command.run(parse_command(command, argv))
 
     def accuracy(title: str, model: str, n: int) -> dict:
-        argv = ["evaluate", "--model", model, "--split", "heldout", "--n", str(n), *common]
+        argv = ["evaluate", "--model", model, "--split", "heldout", "--n", str(n)]
+        argv += ["--batch-size", str(DECODE_BATCH), *common]
         return stage(title, evaluate, argv)
 
     def heads(title: str, model: str, folder: Path) -> dict:

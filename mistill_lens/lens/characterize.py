@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mistill_lens.lens.backends import (
     EngineFallbackWarning,
+    EventModel,
     backend_for,
     backend_record,
     choose_backend,
@@ -41,6 +42,7 @@ from mistill_lens.lens.circuits import (
     select_circuit,
 )
 from mistill_lens.lens.components import SITES, component_shares, component_summary
+from mistill_lens.lens.contrasts import freeze_contrasts, listed_contrasts, shared_positions
 from mistill_lens.lens.elicitation import (
     carrying_heads,
     elicitation_curve,
@@ -120,6 +122,29 @@ def encode_checked(
     check_context(model, examples, encoded, "examples")
     check_context(model, reference, encoded_reference, "reference examples")
     return encoded, encoded_reference
+
+
+def choose_contrasts(
+    model: HookedModel | EventModel,
+    encoded: Sequence[EncodedExample],
+    reference: Sequence[EncodedExample],
+    rule: str,
+) -> tuple[list[EncodedExample], list[EncodedExample], dict[str, Any]]:
+    """The analysed and reference examples with each event's contrast chosen by `rule`
+    (lens/contrasts.py), and the record of it for the summary: the rule, per kind what the choice
+    did on the analysed examples, and the tokens shared by events of several kinds."""
+    if rule == "strongest":
+        hooked = backend_for(model).model
+        encoded, by_kind = freeze_contrasts(hooked, encoded)
+        reference, _ = freeze_contrasts(hooked, reference)
+    else:  # the listed contrast: named rivals are set aside
+        encoded, reference = listed_contrasts(encoded), listed_contrasts(reference)
+        by_kind = {}
+    return (
+        encoded,
+        reference,
+        {"rule": rule, "by_kind": by_kind, "shared_positions": shared_positions(encoded)},
+    )
 
 
 def reference_means(
@@ -379,6 +404,7 @@ def _characterize(
 ) -> Characterization:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded, reference = encode_checked(model, tokenizer, examples, reference_examples)
+    encoded, reference, contrasts = choose_contrasts(model, encoded, reference, config.contrasts)
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 
     every_event = make_event_batch(encoded, pad_token_id=pad)
@@ -464,6 +490,7 @@ def _characterize(
         warnings=warned,
         faithful=faithful,
         components=components,
+        contrasts=contrasts,
         example=example_view(
             model, encoded, every_event, every_margin, decided.tolist(), circuits, calibration
         ),

@@ -35,6 +35,18 @@ def position_class_names(kinds: Sequence[str]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Rival:
+    """One text that could stand where an event's chosen text stands, placed on a tokenizer: the
+    chosen side departs from it at token `position`, where the chosen side has `chosen_token` and
+    the rival `contrast_token`."""
+
+    position: int
+    chosen_token: int
+    contrast_token: int
+    contrast: str
+
+
+@dataclass(frozen=True)
 class DecisionEvent:
     """One decision: at token `position` the model emits `chosen_token` instead of the contrast.
 
@@ -43,6 +55,12 @@ class DecisionEvent:
     prompt are this decision's candidate region (for the ICD task, "I21" for every decision about
     an I21 code), used to find that region's candidate-list entries; `mention` (optional, -1 when
     absent) lets a task find what the event refers to.
+
+    `rivals` is None for an event scored against its listed contrast. When the data names the
+    event's rivals, they are kept here, each placed on the tokenizer, and the event's own fields hold
+    the listed contrast until a model's clean run picks the strongest rival
+    (:func:`mistill_lens.lens.contrasts.freeze_contrasts`); an empty tuple is an event with no rival
+    of its own, left out when contrasts are the model's.
     """
 
     example_id: int
@@ -56,6 +74,7 @@ class DecisionEvent:
     char_end: int = -1
     mention: int = -1
     region: str = ""
+    rivals: tuple[Rival, ...] | None = None
 
     @property
     def predict_position(self) -> int:
@@ -141,35 +160,82 @@ def events_from_spans(example: Any, tokenizer: Tokenizer, example_id: int) -> En
             raise ValueError(
                 f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
             )
-        index, chosen_ids, contrast_token = _departure_token(
-            tokenizer, text, start, chosen, contrast
-        )
-        chosen_token = chosen_ids[index]
-        if tokens[: index + 1] != chosen_ids[: index + 1]:
-            raise ValueError(
-                f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
-                f"of example {example_id} (a merge across the span boundary)"
-            )
-        if index == 0:
-            raise ValueError(
-                f"event {chosen!r} is the first token of example {example_id}: nothing predicts it"
-            )
+        listed = _rival(tokenizer, text, tokens, start, chosen, contrast, example_id)
+        named = _optional(gold, "rivals", None)
         events.append(
             DecisionEvent(
                 example_id=example_id,
                 kind=kind,
-                position=index,
-                chosen_token=chosen_token,
-                contrast_tokens=(contrast_token,),
+                position=listed.position,
+                chosen_token=listed.chosen_token,
+                contrast_tokens=(listed.contrast_token,),
                 chosen=chosen,
                 contrast=contrast,
                 char_start=start,
                 char_end=end,
                 mention=int(_optional(gold, "mention", -1)),
                 region=str(_optional(gold, "region", "")),
+                rivals=None
+                if named is None
+                else _rivals(tokenizer, text, tokens, start, chosen, named, example_id),
             )
         )
     return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
+
+
+def _rival(
+    tokenizer: Tokenizer,
+    text: str,
+    tokens: list[int],
+    start: int,
+    chosen: str,
+    contrast: str,
+    example_id: int,
+) -> Rival:
+    """`contrast` placed against `chosen` at character `start`: a ValueError where no token can
+    decide between them (the same tokens, a merge across the span's boundary, the first token)."""
+    index, chosen_ids, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
+    if tokens[: index + 1] != chosen_ids[: index + 1]:
+        raise ValueError(
+            f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
+            f"of example {example_id} (a merge across the span boundary)"
+        )
+    if index == 0:
+        raise ValueError(
+            f"event {chosen!r} is the first token of example {example_id}: nothing predicts it"
+        )
+    return Rival(index, chosen_ids[index], contrast_token, contrast)
+
+
+def _rivals(
+    tokenizer: Tokenizer,
+    text: str,
+    tokens: list[int],
+    start: int,
+    chosen: str,
+    named: Sequence[str],
+    example_id: int,
+) -> tuple[Rival, ...]:
+    """The named rivals that a token can decide against on this tokenizer, one per (position,
+    token). A rival that cannot be told apart at any token of the chosen span (".1" against ".11":
+    the difference lies after the span) is left out; when every named rival is, that is an error."""
+    if isinstance(named, str) or not all(isinstance(r, str) for r in named):
+        raise ValueError(f"rivals must be a list of texts, got {named!r}")
+    placed: dict[tuple[int, int], Rival] = {}
+    for contrast in named:
+        if contrast == chosen:
+            raise ValueError(f"rival {contrast!r} is the event's chosen text")
+        try:
+            rival = _rival(tokenizer, text, tokens, start, chosen, contrast, example_id)
+        except ValueError:
+            continue
+        placed.setdefault((rival.position, rival.contrast_token), rival)
+    if named and not placed:
+        raise ValueError(
+            f"none of the rivals {list(named)} of event {chosen!r} at char {start} of example "
+            f"{example_id} can be told apart from it at a token of its span"
+        )
+    return tuple(placed.values())
 
 
 def candidate_token_ids(tokenizer: Tokenizer, pattern: str) -> list[int]:

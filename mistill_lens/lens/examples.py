@@ -12,6 +12,12 @@ Format (one line per example)::
   stand at ``start`` instead. The decision sits at the first token where the two differ.
 * optional per event: ``region`` (text whose occurrences in the prompt are the decision's
   candidates, for head families) and ``mention`` (an integer index for task readers).
+* optional per event: ``rivals``, every text of the event's kind that could stand at ``start``
+  (for the ICD task's region decision, the other regions among the candidates). A
+  characterisation then scores the event against the rival the model itself ranks highest at its
+  clean run, frozen for every intervention (:mod:`mistill_lens.lens.contrasts`); ``contrast``
+  stays the event's listed stand-in where no model picks. An empty list marks an event with no
+  rival of its own (it is left out when contrasts are the model's).
 * optional per example: ``id`` (any JSON value), kept for reference.
 
 ``mistill-lens data`` writes the ICD task's examples in a superset of this format, so its files
@@ -40,7 +46,8 @@ class SpanEvent:
     """A decision in an example's text: ``(prompt + output)[start:end] == chosen``, where the model
     could have written `contrast` instead. `kind` is any name (kinds are data); `mention` is an
     index the task uses to find what the event refers to (-1: none); `region` is text whose
-    occurrences in the prompt are the decision's candidate region, for head families ("": none).
+    occurrences in the prompt are the decision's candidate region, for head families ("": none);
+    `rivals` are the texts a model's clean run picks the contrast from (None: `contrast` alone).
     The ICD task's gold events are of this type too."""
 
     kind: str
@@ -50,6 +57,13 @@ class SpanEvent:
     contrast: str
     mention: int = -1
     region: str = ""
+    rivals: tuple[str, ...] | None = None
+
+
+def span_event(row: dict) -> SpanEvent:
+    """A :class:`SpanEvent` from its JSON object (`rivals` back to a tuple)."""
+    rivals = row.get("rivals")
+    return SpanEvent(**{**row, "rivals": None if rivals is None else tuple(rivals)})
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,15 @@ def _example(row: Any, source: str = "") -> SpanExample:
                 f"event {index}: contrast {event['contrast']!r} must be a text other than the "
                 f"chosen {event['chosen']!r}: the decision is where they differ"
             )
+        rivals = event.get("rivals")
+        if rivals is not None and (
+            not isinstance(rivals, list)
+            or not all(isinstance(r, str) and r != event["chosen"] for r in rivals)
+        ):
+            raise ValueError(
+                f"event {index}: rivals must be a list of texts other than the chosen "
+                f"{event['chosen']!r}, got {rivals!r}"
+            )
         events.append(
             SpanEvent(
                 str(event["kind"]),
@@ -113,6 +136,7 @@ def _example(row: Any, source: str = "") -> SpanExample:
                 event["contrast"],
                 mention=int(event.get("mention", -1)),
                 region=str(event.get("region", "")),
+                rivals=None if rivals is None else tuple(rivals),
             )
         )
     return SpanExample(row["prompt"], row["output"], tuple(events), row.get("id"), source)

@@ -112,19 +112,30 @@ def run_event_logits(
     The forward stops at the unembedding's input and only the events' rows are unembedded: the
     [batch, pos, vocab] logits (~1 GB per 1,000-token example at Gemma's 262,144 tokens) are never
     made. Hooks on the final norm or the unembedding run the full forward instead."""
+    return logits_at(model, batch.tokens, torch.arange(len(batch)), batch.predict_positions, hooks)
+
+
+def logits_at(
+    model: HookedModel,
+    tokens: Int[Tensor, "batch pos"],
+    rows: Int[Tensor, "n"],
+    positions: Int[Tensor, "n"],
+    hooks: Sequence[HookPair] = (),
+) -> Float[Tensor, "n vocab"]:
+    """The logits at (`rows[i]`, `positions[i]`) of one forward over `tokens` with `hooks`
+    applied, unembedding those positions alone (see :func:`run_event_logits`)."""
     check_hook_names(model, [name for name, _ in hooks])
-    rows = torch.arange(len(batch))
     on_logit_path = any(name.startswith(_LOGIT_PATH) for name, _ in hooks)
     if on_logit_path or UNEMBED_INPUT not in model.hook_dict:
         with torch.no_grad():
-            logits = model.run_with_hooks(batch.tokens, fwd_hooks=list(hooks))
-        return logits[rows, batch.predict_positions]
+            logits = model.run_with_hooks(tokens, fwd_hooks=list(hooks))
+        return logits[rows, positions]
     store: dict[str, Tensor] = {}
 
     def keep(act: Tensor, hook) -> None:
-        store["x"] = act[rows, batch.predict_positions]
+        store["x"] = act[rows, positions]
 
-    run_reading(model, batch.tokens, [*hooks, (UNEMBED_INPUT, keep)], UNEMBED_INPUT)
+    run_reading(model, tokens, [*hooks, (UNEMBED_INPUT, keep)], UNEMBED_INPUT)
     with torch.no_grad():
         logits = model.unembed(store["x"][:, None])[:, 0]
     cap = getattr(model.cfg, "output_logits_soft_cap", None) or 0.0

@@ -159,6 +159,7 @@ def read_characterization(out_dir: str | Path) -> Characterization:
         warnings=summary["warnings"],
         faithful=summary.get("faithful", {}),
         components=summary.get("components", {}),
+        contrasts=summary.get("contrasts", {}),
         example=ExampleView.from_json(json.loads((out_dir / EXAMPLE_FILE).read_text()))
         if (out_dir / EXAMPLE_FILE).is_file()
         else None,

@@ -17,6 +17,7 @@ from torch import Tensor
 from mistill_lens import options
 from mistill_lens.lens.calibration import Calibration
 from mistill_lens.lens.circuits import circuit_measures, phase_structure
+from mistill_lens.lens.contrasts import check_contrast_rule
 from mistill_lens.lens.elicitation import top_heads
 from mistill_lens.lens.events import DecisionEvent, EncodedExample
 from mistill_lens.lens.faithful_search import METHODS
@@ -88,6 +89,10 @@ class CharacterizeConfig:
     # hook_attn_out at the events replaced by its per-kind reference mean, alone and cumulatively):
     # "are the decisions made by heads or by MLPs at the decision token?"
     components: bool = False
+    # What each event's margin is measured against (lens/contrasts.py): "strongest", the rival
+    # the model ranks highest at its clean run among those the data names, frozen; "listed", the
+    # data's one listed contrast. Events whose data names no rivals use their listed contrast.
+    contrasts: str = "strongest"
 
     def __post_init__(self):
         # each config holds its own copies: a dict shared with another config (a default, the
@@ -119,6 +124,7 @@ class CharacterizeConfig:
             raise ValueError(
                 f"faithful_method must be one of {METHODS}, got {self.faithful_method!r}"
             )
+        check_contrast_rule(self.contrasts)
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
@@ -200,6 +206,9 @@ class Characterization:
     # per site (hook_mlp_out, hook_attn_out) and kind: the layer outputs' shares of the margin
     # (lens/components.component_summary); empty: not measured
     components: dict[str, Any] = field(default_factory=dict)
+    # how the events' contrasts were chosen: the rule, per kind what the choice did, and the
+    # tokens shared by events of several kinds (lens/contrasts.py)
+    contrasts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def circuit(self) -> list[Head]:
@@ -346,6 +355,8 @@ class Characterization:
             summary["faithful"] = self.faithful
         if self.components:
             summary["components"] = self.components
+        if self.contrasts:
+            summary["contrasts"] = self.contrasts
         summary["elicitation"] = self.elicitation
         summary["config"] = asdict(self.config)
         summary.update(self.provenance)

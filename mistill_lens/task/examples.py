@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from mistill_lens.lens.examples import SpanEvent
+from mistill_lens.lens.examples import SpanEvent, span_event
 from mistill_lens.lens.examples import read_jsonl as read_jsonl_rows
 from mistill_lens.task.icd import (
     DEFAULT_UNIVERSE_SIZE,
@@ -110,7 +110,7 @@ class Example:
             gold_codes=tuple(row["gold_codes"]),
             candidates=tuple(row["candidates"]),
             mentions=tuple(Mention(**m) for m in row["mentions"]),
-            events=tuple(SpanEvent(**e) for e in row["events"]),
+            events=tuple(span_event(e) for e in row["events"]),
             negated_codes=tuple(row.get("negated_codes", ())),
         )
 
@@ -264,6 +264,12 @@ def _mention_events(
     within_rival = (
         _first_in(candidates, [c for c in universe.siblings(code) if c != near_miss]) or near_miss
     )
+    # Every competitor in context, for contrasts the model picks (lens/contrasts.py): the other
+    # regions among the candidates; the region's other codes but the near-miss, which is the
+    # near-miss event's own contrast (none left: the within event has no rival of its own).
+    region_rivals = tuple(dict.fromkeys(region_of(c) for c in candidates if region_of(c) != region))
+    siblings = set(universe.siblings(code)) - {near_miss}
+    within_rivals = tuple(dict.fromkeys(suffix_of(c) for c in candidates if c in siblings))
     events.append(
         SpanEvent(
             "region",
@@ -273,6 +279,7 @@ def _mention_events(
             region_contrast,
             region=region,
             mention=index,
+            rivals=region_rivals,
         )
     )
     events.append(
@@ -284,6 +291,7 @@ def _mention_events(
             suffix_of(within_rival),
             region=region,
             mention=index,
+            rivals=within_rivals,
         )
     )
     if relation == "sibling":
