@@ -26,6 +26,7 @@ _API = {
     "mistill_lens.lens.outputs": ("write_characterization", "read_characterization"),
     "mistill_lens.lens.examples": ("read_examples", "SpanExample"),
     "mistill_lens.lens.events": ("DecisionEvent", "EventBatch", "make_event_batch"),
+    "mistill_lens.lens.contrasts": ("freeze_contrasts",),
     "mistill_lens.lens.backends": ("means_from_events",),
     "mistill_lens.lens.hooks": (
         "HeadMeans",

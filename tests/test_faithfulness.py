@@ -1,6 +1,8 @@
 """Circuits found by what they do, on a planted model whose region decision four heads carry
 jointly (each a quarter of the margin, closed form), while a per-head z rule finds none of them."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import encode_all, head_ablation_effects
@@ -29,6 +31,7 @@ from mistill_lens.lens.faithfulness import (
     ranking_curve,
     sufficiency_curve,
 )
+from mistill_lens.lens.fingerprint import StaleResultError, StaleResultWarning
 from mistill_lens.lens.hooks import (
     all_heads,
     event_position_classes,
@@ -38,6 +41,7 @@ from mistill_lens.lens.hooks import (
 )
 from mistill_lens.lens.learned_mask import learn_mask
 from mistill_lens.lens.margins import run_margins
+from mistill_lens.lens.search_log import SearchLog
 
 
 @pytest.fixture(scope="module")
@@ -404,3 +408,81 @@ def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted,
     assert (tmp_path / "run" / "figures" / "stability.html").is_file()
     assert sorted(map(tuple, faithful["all"]["heads"])) == sorted([DECIDER, GENERIC, WITHIN])
     assert summary["circuit"] == [list(DECIDER), list(WITHIN)]  # the z rule's
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _StopsAfter(SearchLog):
+    """A search log whose run is killed after it has recorded `limit` steps."""
+
+    def __init__(self, path, fingerprint, limit):
+        super().__init__(path, fingerprint)
+        self.limit, self.recorded = limit, 0
+
+    def record(self, key, step):
+        if self.recorded == self.limit:
+            raise _Interrupted
+        super().record(key, step)
+        self.recorded += 1
+
+
+def test_an_interrupted_search_resumes_to_the_uninterrupted_curves(joint, tmp_path):
+    """Killed after a few steps, a greedy search given the same log replays the steps taken and
+    computes only the rest: both curves equal an uninterrupted run's, and the resumed run records
+    exactly the steps the first did not."""
+    bridge, batch, _, means, _ = joint
+    engine = InterventionEngine(bridge)
+    pool, path, fingerprint = all_heads(bridge), tmp_path / "search.json", {"run": "a"}
+    whole = (
+        necessity_curve(engine, batch, means, pool, max_size=6),
+        sufficiency_curve(engine, batch, means, pool),
+    )
+
+    def both(log):
+        return (
+            necessity_curve(engine, batch, means, pool, max_size=6, log=log, key="n"),
+            sufficiency_curve(engine, batch, means, pool, log=log, key="s"),
+        )
+
+    with pytest.raises(_Interrupted):
+        both(_StopsAfter(path, fingerprint, limit=8))  # 6 necessity steps, 2 sufficiency steps
+    resumed = _StopsAfter(path, fingerprint, limit=10**6)
+    assert both(resumed) == whole
+    assert resumed.recorded == len(pool) - 1 - 2  # the sufficiency steps not yet taken
+    assert both(_StopsAfter(path, fingerprint, limit=0)) == whole  # all replayed, none computed
+
+    with pytest.raises(StaleResultError, match="run differ"):
+        SearchLog(path, {"run": "b"})
+    with pytest.warns(StaleResultWarning):
+        fresh = SearchLog(path, {"run": "b"}, stale="recompute")
+    assert fresh.steps("n") == [] and fresh.result("n") is None
+
+
+def test_a_characterisation_resumes_its_faithful_search_from_its_folder(
+    planted, tmp_path, monkeypatch
+):
+    """The search log stays in the run's folder: a second run there takes each kind's finished
+    search from it (here the search itself is made to fail, so nothing can be recomputed), and a
+    run with other search options is refused rather than given the first run's sets."""
+    from characterized import characterize_into
+
+    import mistill_lens.lens.characterize as pipeline
+    from mistill_lens.lens.results import CharacterizeConfig
+    from mistill_lens.lens.run_folder import SEARCH_LOG
+
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(seed=0, ks=(1,), progress=False, faithful_pool=4)
+    args = (bridge, tokenizer, planted_examples(12, seed=0), planted_examples(24, seed=1))
+    first = characterize_into(tmp_path / "run", *args, config)
+    assert (tmp_path / "run" / SEARCH_LOG).is_file()
+
+    def no_search(*_, **__):
+        raise AssertionError("the search ran again")
+
+    monkeypatch.setattr(pipeline, "faithful_circuit", no_search)
+    again = characterize_into(tmp_path / "run", *args, config)
+    assert again["faithful"] == first["faithful"] and set(first["faithful"]) >= {"region", "all"}
+    with pytest.raises(StaleResultError, match="search options"):
+        characterize_into(tmp_path / "run", *args, replace(config, faithful_pool=5))

@@ -7,13 +7,15 @@ ablation), null calibration, the circuit per kind and its necessity / sufficienc
 coverage, phase structure, head families, early elicitation. Everything is a deterministic function
 of the model, the examples and the seed.
 
-The only files touched are the resumable sweep tables, in `sweep_dir` when one is given;
+The only files touched are the resumable sweep tables and the faithfulness search's log, in
+`sweep_dir` when one is given;
 :mod:`mistill_lens.lens.outputs` writes a Characterization to a folder and reads it back.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -60,7 +62,7 @@ from mistill_lens.lens.events import (
 )
 from mistill_lens.lens.examples import example_name, own_id
 from mistill_lens.lens.faithful_search import METHODS, MIN_RESAMPLES, Search, faithful_circuit
-from mistill_lens.lens.fingerprint import StaleResultWarning
+from mistill_lens.lens.fingerprint import StaleResultWarning, value_digest
 from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
@@ -73,10 +75,13 @@ from mistill_lens.lens.results import (
     CharacterizeConfig,
     ExampleView,
 )
+from mistill_lens.lens.run_folder import SEARCH_LOG
+from mistill_lens.lens.search_log import SearchLog
 from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
     ablation_sweep,
     effects_tensor,
+    sweep_fingerprint,
 )
 
 REFERENCE_ID_OFFSET = 1_000_000  # reference examples get ids that cannot clash with analysed ones
@@ -449,7 +454,7 @@ def _characterize(
 
     families = _families(model, batch, encoded, examples, near_miss_text)
 
-    faithful = _faithful(model, batch, means, exact, config, warned)
+    faithful = _faithful(model, batch, means, exact, config, sweep_dir, warned)
     components = (
         {
             site: component_summary(
@@ -497,18 +502,18 @@ def _characterize(
     )
 
 
-def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
+def _faithful(model, batch, means, exact, config, sweep_dir, warned: list[str]) -> dict:
     """Per kind and for all decided events: the head set found by its joint effect on half of
-    the examples (seeded), reported on the other half."""
+    the examples (seeded), reported on the other half. With `sweep_dir` the searches keep their
+    steps in a log there (`SEARCH_LOG`) and an interrupted run resumes from it."""
     if config.faithful_pool is None:
         return {}
-    discovery = split_by_example([e.example_id for e in batch.events], 0.5, config.seed)
-    search = Search(
-        config.faithful_method,
-        config.faithful_max_size,
-        config.faithful_target,
-        config.faithful_mask_steps,
+    log = SearchLog(
+        sweep_dir / SEARCH_LOG if sweep_dir is not None else None,
+        search_fingerprint(backend_for(model).model, batch, means, config),
+        config.stale,
     )
+    discovery = split_by_example([e.example_id for e in batch.events], 0.5, config.seed)
     found = {}
     for kind in [*dict.fromkeys(batch.kinds), "all"]:
         rows = (
@@ -519,19 +524,19 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
         if not (rows & discovery).any() or not (rows & ~discovery).any():
             warned.append(f"faithful circuit of {kind!r} not searched: its events lie in one half")
             continue
-        found[kind] = faithful_circuit(
-            model,
-            batch.select(rows & discovery),
-            batch.select(rows & ~discovery),
-            means,
-            exact[rows & discovery],
-            pool_size=config.faithful_pool,
-            search=search,
-            seed=config.seed,
-            random_draws=config.faithful_random_draws,
-            stability=config.faithful_stability,
-            compare=METHODS if config.faithful_compare else (),
-        )
+        found[kind] = log.result(kind)
+        if found[kind] is None:
+            found[kind] = _faithful_kind(
+                model,
+                batch.select(rows & discovery),
+                batch.select(rows & ~discovery),
+                means,
+                exact[rows & discovery],
+                config,
+                log,
+                kind,
+            )
+            log.finish(kind, found[kind])
         failed = found[kind].get("stability", {}).get("failed", 0)
         if failed:
             warned.append(
@@ -545,6 +550,41 @@ def _faithful(model, batch, means, exact, config, warned: list[str]) -> dict:
             f"than {MIN_RESAMPLES}: its frequencies are coarse"
         )
     return found
+
+
+def _faithful_kind(model, discovery, validation, means, effects, config, log, kind) -> dict:
+    """One kind's faithful circuit (:func:`faithful_circuit` with the run's options)."""
+    search = Search(
+        config.faithful_method,
+        config.faithful_max_size,
+        config.faithful_target,
+        config.faithful_mask_steps,
+    )
+    return faithful_circuit(
+        model,
+        discovery,
+        validation,
+        means,
+        effects,
+        pool_size=config.faithful_pool,
+        search=search,
+        seed=config.seed,
+        random_draws=config.faithful_random_draws,
+        stability=config.faithful_stability,
+        compare=METHODS if config.faithful_compare else (),
+        log=log,
+        key=kind,
+    )
+
+
+def search_fingerprint(
+    model: HookedModel, batch: EventBatch, means, config: CharacterizeConfig
+) -> dict[str, str]:
+    """What the faithfulness searches' steps depend on: the sweep's inputs (weights, events,
+    reference means) and the options that choose the split, the pool and the search."""
+    options = {k: v for k, v in asdict(config).items() if k.startswith("faithful_")}
+    options["seed"] = config.seed
+    return {**sweep_fingerprint(model, batch, means), "search options": value_digest(options)}
 
 
 def _elicitation(

@@ -36,9 +36,10 @@ from mistill_lens.lens.faithfulness import (
     ranking_curve,
     sufficiency_curve,
 )
-from mistill_lens.lens.hooks import Head, HeadMeans, head_mask, validate_heads
+from mistill_lens.lens.hooks import Head, HeadMeans, as_head, head_mask, validate_heads
 from mistill_lens.lens.learned_mask import learn_mask
 from mistill_lens.lens.model_types import HookedModel
+from mistill_lens.lens.search_log import SearchLog, in_memory
 
 BOOTSTRAP = 1000  # resamples of the validation examples per confidence interval
 COVERAGE_FLOOR = 0.8  # an example is covered when the set removes at least this share of its margin
@@ -95,21 +96,27 @@ class Search:
         means: HeadMeans,
         effects: Float[Tensor, "event layer head"],
         pool: Sequence[Head],
+        log: SearchLog | None = None,
+        key: str = "",
     ) -> tuple[FaithfulnessCurve, FaithfulnessCurve]:
-        """The necessity and sufficiency curves of this method on `batch`, over `pool`."""
+        """The necessity and sufficiency curves of this method on `batch`, over `pool`. With
+        `log`, the greedy steps and the learned masks' rankings are kept under keys that start
+        with `key`, and those already there are reused."""
+        log = log or in_memory()
+        where = f"{key}/{self.method}"
         if self.method == "greedy":
             return (
-                necessity_curve(model, batch, means, pool, self.max_size),
-                sufficiency_curve(model, batch, means, pool),
+                necessity_curve(
+                    model, batch, means, pool, self.max_size, log=log, key=f"{where}/necessity"
+                ),
+                sufficiency_curve(model, batch, means, pool, log=log, key=f"{where}/sufficiency"),
             )
         if self.method == "single":
             ranking = ranked_heads(effects.nan_to_num(0.0).mean(dim=0), pool)
             rankings = dict.fromkeys(MEASURES, ranking)
         else:
             rankings = {
-                measure: ranked_heads(
-                    learn_mask(model, batch, means, measure, self.mask_steps), pool
-                )
+                measure: self._mask_ranking(model, batch, means, pool, log, f"{where}/{measure}")
                 for measure in MEASURES
             }
         necessity, sufficiency = (
@@ -117,6 +124,16 @@ class Search:
             for m in MEASURES
         )
         return necessity, sufficiency
+
+    def _mask_ranking(self, model, batch, means, pool, log: SearchLog, key: str) -> list[Head]:
+        """The pool ranked by a learned mask's gates for one measure (stored in `log` once learned:
+        learning it is the method's cost)."""
+        stored = log.result(key)
+        if stored is None:
+            measure = key.rsplit("/", 1)[1]
+            stored = ranked_heads(learn_mask(model, batch, means, measure, self.mask_steps), pool)
+            log.finish(key, [list(h) for h in stored])
+        return [as_head(h) for h in stored]
 
     def found(self, curves: Sequence[FaithfulnessCurve]) -> list[Head]:
         """The union of the curves' smallest sets reaching the target."""
@@ -146,28 +163,36 @@ def selection_frequencies(
     resamples: int = 10,
     seed: int = 0,
     progress: bool = False,
+    log: SearchLog | None = None,
+    key: str = "stability",
 ) -> dict:
     """How stable the found set is: `search` rerun on `resamples` bootstrap resamples of the
     discovery examples (their events and `effects` rows; the `pool` fixed), and how often each
     pool head is in the set found. ``frequency`` maps every pool head ("L{l}H{h}") to its share
     of the resamples, most often chosen first; ``sizes`` lists the found sets' sizes; ``failed``
     counts resamples on which the search was undefined (a non-positive mean clean margin), left
-    out of the shares."""
+    out of the shares. With `log`, each resample's outcome is kept under `key` and reused."""
     if resamples < 1:
         raise ValueError(f"resamples must be at least 1, got {resamples}")
     pool = validate_heads(model, pool)
+    log = log or in_memory()
     generator = np.random.default_rng(seed)
     counts: Counter = Counter()
     sizes, failed = [], 0
-    for _ in tqdm(range(resamples), desc="selection stability", disable=not progress):
-        rows = resample_rows(discovery, generator)
-        try:
-            heads = search.found(
-                search.curves(model, discovery.select(rows), means, effects[rows], pool)
+    done = log.steps(key)
+    for i in tqdm(range(resamples), desc="selection stability", disable=not progress):
+        rows = resample_rows(discovery, generator)  # drawn every time: the stream stays the same
+        if i < len(done):
+            outcome = done[i]["heads"]
+        else:
+            outcome = _resample_outcome(
+                model, discovery.select(rows), means, effects[rows], pool, search
             )
-        except ValueError:  # this resample's margin is not positive: no share of it means anything
+            log.record(key, {"heads": outcome})
+        if outcome is None:  # this resample's margin is not positive: no share of it means anything
             failed += 1
             continue
+        heads = [as_head(h) for h in outcome]
         counts.update(heads)
         sizes.append(len(heads))
     done = max(resamples - failed, 1)
@@ -178,6 +203,14 @@ def selection_frequencies(
         "sizes": sizes,
         "frequency": {f"L{l}H{h}": share for share, (l, h) in frequency},
     }
+
+
+def _resample_outcome(model, batch, means, effects, pool, search: Search) -> list | None:
+    """The set `search` finds on one resample, or None where it is undefined there."""
+    try:
+        return [list(h) for h in search.found(search.curves(model, batch, means, effects, pool))]
+    except ValueError:
+        return None
 
 
 def _random_baselines(
@@ -246,6 +279,8 @@ def faithful_circuit(
     random_draws: int = 20,
     stability: int = 0,
     compare: Sequence[str] = (),
+    log: SearchLog | None = None,
+    key: str = "",
 ) -> dict:
     """The smallest head set `search` finds on `discovery` events that is necessary and
     sufficient at its target, measured on the disjoint `validation` events with bootstrap CIs
@@ -255,7 +290,9 @@ def faithful_circuit(
     sets of the found size (a p-value for each measure). With `stability` > 0, the search is rerun
     on that many bootstrap resamples of the discovery examples (:func:`selection_frequencies`).
     `compare` names other methods run on the same pool and events: their curves join the
-    result's and ``methods`` holds every method's set with its validation measures."""
+    result's and ``methods`` holds every method's set with its validation measures. With `log`
+    (a :class:`~mistill_lens.lens.search_log.SearchLog`), the searches' steps are kept under keys
+    that start with `key` and an interrupted search resumes from them."""
     shared = {e.example_id for e in discovery.events} & {e.example_id for e in validation.events}
     if shared:
         raise ValueError(
@@ -265,7 +302,9 @@ def faithful_circuit(
     pool = effect_pool(effects, pool_size)
     curves, sets = [], {}
     for method in dict.fromkeys([search.method, *compare]):
-        ran = replace(search, method=method).curves(model, discovery, means, effects, pool)
+        ran = replace(search, method=method).curves(
+            model, discovery, means, effects, pool, log=log, key=key
+        )
         curves += ran
         sets[method] = replace(search, method=method).found(ran)
     heads = sets[search.method]
@@ -300,7 +339,16 @@ def faithful_circuit(
     stable = {}
     if stability:
         stable["stability"] = selection_frequencies(
-            model, discovery, means, effects, pool, search, stability, seed + 2
+            model,
+            discovery,
+            means,
+            effects,
+            pool,
+            search,
+            stability,
+            seed + 2,
+            log=log,
+            key=f"{key}/stability",
         )
     return {
         "heads": [list(h) for h in heads],

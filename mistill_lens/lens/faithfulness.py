@@ -45,6 +45,7 @@ from mistill_lens.lens.hooks import (
     validate_heads,
 )
 from mistill_lens.lens.model_types import HookedModel
+from mistill_lens.lens.search_log import SearchLog, in_memory
 
 BAND_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # set sizes of the random baseline band
 MEASURES = ("necessity", "sufficiency")
@@ -126,21 +127,32 @@ def necessity_curve(
     pool: Sequence[Head],
     max_size: int | None = None,
     progress: bool = False,
+    log: SearchLog | None = None,
+    key: str = "necessity",
 ) -> FaithfulnessCurve:
     """Greedy forward addition over `pool` (up to `max_size` heads): at each step the head whose
-    joint ablation with those already chosen removes the largest share of the mean clean margin."""
+    joint ablation with those already chosen removes the largest share of the mean clean margin.
+    Steps already in `log` under `key` are replayed, not recomputed; new ones are recorded."""
     pool = validate_heads(model, pool)
     clean = mean_clean_margin(model, batch, means)
+    log = log or in_memory()
     chosen: list[Head] = []
     sets, values = [()], [0.0]
     steps = len(pool) if max_size is None else min(max_size, len(pool))
-    for _ in tqdm(range(steps), desc="necessity search", disable=not progress):
-        candidates = [c for c in pool if c not in chosen]
-        left = mean_set_margins(model, batch, means, [[*chosen, c] for c in candidates], keep=False)
-        best = min(range(len(candidates)), key=left.__getitem__)
-        chosen.append(candidates[best])
+    done = log.steps(key)
+    for step in tqdm(range(steps), desc="necessity search", disable=not progress):
+        if step < len(done):
+            head, value = as_head(done[step]["head"]), done[step]["value"]
+        else:
+            candidates = [c for c in pool if c not in chosen]
+            sets_tried = [[*chosen, c] for c in candidates]
+            left = mean_set_margins(model, batch, means, sets_tried, keep=False)
+            best = min(range(len(candidates)), key=left.__getitem__)
+            head, value = candidates[best], (clean - left[best]) / clean
+            log.record(key, {"head": list(head), "value": value})
+        chosen.append(head)
         sets.append(tuple(chosen))
-        values.append((clean - left[best]) / clean)
+        values.append(value)
     return FaithfulnessCurve("necessity", tuple(sets), tuple(values), len(pool), len(batch))
 
 
@@ -151,11 +163,15 @@ def sufficiency_curve(
     pool: Sequence[Head],
     min_size: int = 1,
     progress: bool = False,
+    log: SearchLog | None = None,
+    key: str = "sufficiency",
 ) -> FaithfulnessCurve:
     """Greedy backward pruning from `pool` (every head outside it ablated throughout) down to
     `min_size` heads: at each step the head whose removal keeps the most of the margin.
-    Values are normalised: 1 = the whole model's mean margin, 0 = every head ablated."""
+    Values are normalised: 1 = the whole model's mean margin, 0 = every head ablated.
+    Steps already in `log` under `key` are replayed, not recomputed; new ones are recorded."""
     pool = validate_heads(model, pool)
+    log = log or in_memory()
     clean = mean_clean_margin(model, batch, means)
     empty, whole = mean_set_margins(model, batch, means, [[], list(pool)], keep=True)
     check_baseline_gap(clean, empty)
@@ -166,14 +182,19 @@ def sufficiency_curve(
     kept = list(pool)
     sets, values = [tuple(kept)], [normalised(whole)]
     steps = max(len(pool) - min_size, 0)
-    for _ in tqdm(range(steps), desc="sufficiency search", disable=not progress):
-        without = mean_set_margins(
-            model, batch, means, [[h for h in kept if h != c] for c in kept], keep=True
-        )
-        drop = max(range(len(kept)), key=without.__getitem__)
-        del kept[drop]
+    done = log.steps(key)
+    for step in tqdm(range(steps), desc="sufficiency search", disable=not progress):
+        if step < len(done):
+            head, value = as_head(done[step]["head"]), done[step]["value"]
+        else:
+            sets_tried = [[h for h in kept if h != c] for c in kept]
+            without = mean_set_margins(model, batch, means, sets_tried, keep=True)
+            drop = max(range(len(kept)), key=without.__getitem__)
+            head, value = kept[drop], normalised(without[drop])
+            log.record(key, {"head": list(head), "value": value})
+        kept.remove(head)
         sets.append(tuple(kept))
-        values.append(normalised(without[drop]))
+        values.append(value)
     return FaithfulnessCurve("sufficiency", tuple(sets), tuple(values), len(pool), len(batch))
 
 
