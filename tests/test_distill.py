@@ -48,6 +48,7 @@ from mistill_lens.distill.training import (
     DistillConfig,
     distill,
     distillation_items,
+    examples_digest,
     initial_student,
     student_losses,
 )
@@ -419,6 +420,25 @@ def test_lambda_zero_reproduces_the_cot_run(teacher, examples, tmp_path):
     )
     assert other_seed["paired"]["initial weights"] != cot["paired"]["initial weights"]
     assert other_seed["paired"]["data"] != cot["paired"]["data"]  # another order
+
+
+def test_named_rivals_do_not_change_what_a_run_depends_on(examples):
+    """Rivals choose a characterisation's contrasts, never a distillation target: examples with and
+    without them are the same training data (item caches and runs from before stay valid), while
+    a changed event is not."""
+    import dataclasses
+
+    def with_events(example, change):
+        return dataclasses.replace(example, events=tuple(change(e) for e in example.events))
+
+    assert any(e.rivals for x in examples for e in x.events)
+    bare = [with_events(x, lambda e: dataclasses.replace(e, rivals=None)) for x in examples]
+    assert examples_digest(bare) == examples_digest(examples)
+    moved = [
+        with_events(x, lambda e: dataclasses.replace(e, contrast=e.contrast + "0"))
+        for x in examples
+    ]
+    assert examples_digest(moved) != examples_digest(examples)
 
 
 def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_path, monkeypatch):

@@ -309,6 +309,20 @@ DISTILL_FORMAT = "distill-v3"
 ITEMS_FORMAT = "distill-v2"  # bump when the cached items' layout or meaning changes
 
 
+def examples_digest(examples: Sequence[task.Example]) -> str:
+    """Digest of the training examples as distillation uses them: texts, outputs and events with
+    their listed contrasts. Named rivals are left out: they choose a characterisation's contrasts,
+    never a distillation target, so runs and item caches made before events named rivals stay
+    valid (and a CoT / MISTILL pair started on either side of that change stays paired)."""
+    rows = []
+    for example in examples:
+        row = asdict(example)
+        for event in row["events"]:
+            del event["rivals"]
+        rows.append(row)
+    return value_digest(rows)
+
+
 def distill_fingerprint(
     config: DistillConfig,
     examples: Sequence[task.Example],
@@ -319,7 +333,7 @@ def distill_fingerprint(
     head sets that make the attention targets, and the base student's weights."""
     return {
         "format": DISTILL_FORMAT,
-        "examples": value_digest([asdict(e) for e in examples]),
+        "examples": examples_digest(examples),
         "teacher heads": value_digest(
             {k: sorted(map(list, v)) for k, v in sorted(heads_by_kind.items())}
         ),
