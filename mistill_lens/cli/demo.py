@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--n-eval",
         type=POSITIVE_INT,
-        default=20,
-        help="held-out examples for accuracy (20; the teacher's recorded figure is on 100)",
+        default=16,
+        help="held-out examples for accuracy (16: two decode batches; the teacher's recorded "
+        "figure is on 100)",
     )
     parser.add_argument(
         "--n-characterize",
@@ -59,8 +60,15 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--n-eval-students",
         type=POSITIVE_INT,
-        default=10,
-        help="held-out examples for each student's accuracy (10; their recorded figures are on 50)",
+        default=DECODE_BATCH,
+        help=f"held-out examples for each student's accuracy ({DECODE_BATCH}: one decode batch; "
+        "their recorded figures are on 50)",
+    )
+    parser.add_argument(
+        "--n-characterize-students",
+        type=POSITIVE_INT,
+        default=2,
+        help="held-out examples characterised per student (2; their recorded circuits are on 12)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run, resume_hint="each finished stage is kept in --out")
@@ -103,15 +111,20 @@ def run(args: argparse.Namespace) -> dict:
         argv += ["--batch-size", str(DECODE_BATCH), *common]
         return stage(title, evaluate, argv)
 
-    def heads(title: str, model: str, folder: Path) -> dict:
+    def heads(title: str, model: str, folder: Path, n: int) -> dict:
         argv = ["characterize", "--model", model, "--split", "heldout"]
-        argv += ["--n", str(args.n_characterize), "--out", str(folder), *common]
+        argv += ["--n", str(n), "--out", str(folder), *common]
         return stage(title, characterize, argv)
 
     held_out = "held-out examples (gold codes never seen in training)"
     scores = accuracy(f"1/4 the teacher's accuracy on {held_out}", args.model, args.n_eval)
     characterization = out / "characterization"
-    summary = heads("2/4 which heads decide: the characterisation", args.model, characterization)
+    summary = heads(
+        "2/4 which heads decide: the characterisation",
+        args.model,
+        characterization,
+        args.n_characterize,
+    )
     found = {}
     for name, folder in students.items():
         student_scores = accuracy(
@@ -123,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
             f"3/4 the shipped student {name}: which of its heads decide",
             str(folder),
             out / "students" / name,
+            args.n_characterize_students,
         )
         found[name] = (folder, student_scores, student_summary)
     if not students:
