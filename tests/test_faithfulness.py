@@ -486,3 +486,27 @@ def test_a_characterisation_resumes_its_faithful_search_from_its_folder(
     assert again["faithful"] == first["faithful"] and set(first["faithful"]) >= {"region", "all"}
     with pytest.raises(StaleResultError, match="search options"):
         characterize_into(tmp_path / "run", *args, replace(config, faithful_pool=5))
+
+
+def test_the_faithful_rule_makes_the_search_s_sets_the_run_s_circuits(planted, tmp_path):
+    """With circuit='faithful' the sets found by joint effect are the run's circuits (its measures,
+    its figures, what consumers read): the region's is the decider and the previous-token head the
+    z rule discounts; the z rule's circuit stays the default."""
+    from characterized import characterize_into
+    from planted import DECIDER, GENERIC
+
+    from mistill_lens.lens.results import CharacterizeConfig
+
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(seed=0, ks=(1,), progress=False, faithful_pool=6)
+    args = (bridge, tokenizer, planted_examples(20, seed=0), planted_examples(40, seed=1))
+    by_z = characterize_into(tmp_path / "run", *args, config)
+    faithful = characterize_into(tmp_path / "run", *args, replace(config, circuit="faithful"))
+    assert by_z["region"]["circuit"] != faithful["region"]["circuit"]
+    assert faithful["region"]["circuit"] == [list(DECIDER), list(GENERIC)]
+    assert faithful["circuit"] == faithful["faithful"]["all"]["heads"]
+    assert faithful["faithful"] == by_z["faithful"]  # one search, two ways of reading it
+    with pytest.raises(ValueError, match="needs the faithfulness search"):
+        CharacterizeConfig(circuit="faithful")
+    with pytest.raises(ValueError, match="circuit must be one of"):
+        CharacterizeConfig(circuit="greedy")

@@ -121,6 +121,14 @@ def add_parser(sub) -> None:
         "(summary.json: faithful); costs a few minutes per kind on the default teacher",
     )
     parser.add_argument(
+        "--circuit",
+        choices=("z", "faithful"),
+        default="z",
+        help="the run's circuits, for its measures, figures and every consumer (distillation's "
+        "head sets, a student's recovery): heads significant alone at --z-min (default), or the "
+        "sets the faithfulness search finds by joint effect (needs --faithful)",
+    )
+    parser.add_argument(
         "--contrasts",
         choices=("strongest", "listed"),
         default="strongest",
@@ -256,6 +264,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         faithful_compare=args.faithful_compare,
         components=args.components,
         contrasts=args.contrasts,
+        circuit=args.circuit,
     )
     return replace(config, **overrides)
 

@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
         "--n-characterize",
         type=POSITIVE_INT,
         default=4,
-        help="held-out examples characterised (4: ~30 decided events at K = 64; 12 in docs)",
+        help="held-out examples characterised, the teacher's and each student's (4: ~30 decided "
+        "events at K = 64; 12 in docs)",
     )
     parser.add_argument(
         "--students",
@@ -63,12 +64,6 @@ def add_parser(sub) -> None:
         default=DECODE_BATCH,
         help=f"held-out examples for each student's accuracy ({DECODE_BATCH}: one decode batch; "
         "their recorded figures are on 50)",
-    )
-    parser.add_argument(
-        "--n-characterize-students",
-        type=POSITIVE_INT,
-        default=2,
-        help="held-out examples characterised per student (2; their recorded circuits are on 12)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run, resume_hint="each finished stage is kept in --out")
@@ -111,20 +106,15 @@ def run(args: argparse.Namespace) -> dict:
         argv += ["--batch-size", str(DECODE_BATCH), *common]
         return stage(title, evaluate, argv)
 
-    def heads(title: str, model: str, folder: Path, n: int) -> dict:
+    def heads(title: str, model: str, folder: Path) -> dict:
         argv = ["characterize", "--model", model, "--split", "heldout"]
-        argv += ["--n", str(n), "--out", str(folder), *common]
+        argv += ["--n", str(args.n_characterize), "--out", str(folder), *common]
         return stage(title, characterize, argv)
 
     held_out = "held-out examples (gold codes never seen in training)"
     scores = accuracy(f"1/4 the teacher's accuracy on {held_out}", args.model, args.n_eval)
     characterization = out / "characterization"
-    summary = heads(
-        "2/4 which heads decide: the characterisation",
-        args.model,
-        characterization,
-        args.n_characterize,
-    )
+    summary = heads("2/4 which heads decide: the characterisation", args.model, characterization)
     found = {}
     for name, folder in students.items():
         student_scores = accuracy(
@@ -136,7 +126,6 @@ def run(args: argparse.Namespace) -> dict:
             f"3/4 the shipped student {name}: which of its heads decide",
             str(folder),
             out / "students" / name,
-            args.n_characterize_students,
         )
         found[name] = (folder, student_scores, student_summary)
     if not students:
@@ -209,9 +198,15 @@ def student_lines(name: str, folder: Path, scores: dict, summary: dict) -> list[
 
 def _circuit(summary: dict) -> str:
     heads = ", ".join(f"L{l}H{h}" for l, h in summary["circuit"]) or "none (see top_heads)"
+    config = summary["config"]
+    rule = (
+        f"faithful at {config['faithful_target']:g}"
+        if config.get("circuit") == "faithful"
+        else f"z >= {config['z_min']:g}"
+    )
     return (
-        f"{heads}  ({summary['circuit_size']} of {summary['n_heads_total']} heads, z >= "
-        f"{summary['config']['z_min']:g}; {summary['n_decided_events']} decided events in "
+        f"{heads}  ({summary['circuit_size']} of {summary['n_heads_total']} heads, {rule}; "
+        f"{summary['n_decided_events']} decided events in "
         f"{summary['n_examples']} examples)"
     )
 

@@ -324,6 +324,20 @@ def _attribution_table(batch: EventBatch, attribution: Tensor, exact: Tensor) ->
     )
 
 
+def chosen_circuits(
+    calibration: Calibration, faithful: Mapping[str, dict], config: CharacterizeConfig
+) -> dict[str, list[Head]]:
+    """The run's circuit per kind and for all events (``"all"``), by `config.circuit`: the heads
+    significant alone (z rule), or the sets the faithfulness search found (a kind it could not
+    search has none; ``"all"`` is the set searched on all events together, not a union)."""
+    if config.circuit == "z":
+        return select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
+    return {
+        kind: [tuple(h) for h in faithful[kind]["heads"]] if kind in faithful else []
+        for kind in [*calibration.kinds, "all"]
+    }
+
+
 def _sample_warnings(
     batch: EventBatch, nulls: EventBatch, circuit: list[Head], config: CharacterizeConfig
 ) -> list[str]:
@@ -340,7 +354,12 @@ def _sample_warnings(
             f"only {len(nulls)} null events (fewer than {config.min_null_events}): every head's z "
             "divides by their spread, so the z values and the circuit rest on very few"
         )
-    if not circuit:
+    if not circuit and config.circuit == "faithful":
+        warned.append(
+            "the faithfulness search found no circuit for all events together (see the faithful "
+            "block's warnings and curves)"
+        )
+    elif not circuit:
         warned.append(
             f"no head passes z >= {config.z_min} with an effect above null of at least "
             f"{config.rel_min} x the strongest head's: the circuit is empty, so necessity, "
@@ -439,10 +458,12 @@ def _characterize(
     attribution_table = _attribution_table(batch, attribution, exact)
 
     calibration = calibrate(exact.nan_to_num(0.0), batch.kinds, null_exact.nan_to_num(0.0))
-    circuits = select_circuit(calibration, config.z_min, config.rel_min, config.max_heads_per_kind)
+    searched: list[str] = []  # what the faithfulness search has to say
+    faithful = _faithful(model, batch, means, exact, config, sweep_dir, searched)
+    circuits = chosen_circuits(calibration, faithful, config)
     circuit = circuits["all"]
 
-    warned = _sample_warnings(batch, nulls, circuit, config)
+    warned = _sample_warnings(batch, nulls, circuit, config) + searched
     events = (
         circuit_report(model, batch, means, circuit, seed=config.seed, clean=clean).to_frame()
         if circuit
@@ -454,7 +475,6 @@ def _characterize(
 
     families = _families(model, batch, encoded, examples, near_miss_text)
 
-    faithful = _faithful(model, batch, means, exact, config, sweep_dir, warned)
     components = (
         {
             site: component_summary(

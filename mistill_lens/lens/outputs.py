@@ -71,7 +71,10 @@ def characterization_figures(result: Characterization) -> dict[str, go.Figure]:
     the run made them; each with the run's warnings printed under it."""
     figures = {
         "head_maps": plot.head_map_figure(
-            result.calibration, result.circuits, result.config.z_min, result.swept_heads
+            result.calibration,
+            result.circuits,
+            result.config.z_min if result.config.circuit == "z" else None,
+            result.swept_heads,
         ),
         "ablation_curve": plot.ablation_curve_figure(result.ablation_curve),
     }
@@ -128,7 +131,11 @@ def read_characterization(out_dir: str | Path) -> Characterization:
     summary = _read_summary(out_dir / SUMMARY)
     known = {f.name for f in fields(CharacterizeConfig)}
     config = CharacterizeConfig(**{k: v for k, v in summary["config"].items() if k in known})
-    per_kind = {k: v for k, v in summary.items() if isinstance(v, dict) and "circuit" in v}
+    per_kind = {  # a kind's block names its circuit and events (the config names a rule)
+        k: v
+        for k, v in summary.items()
+        if isinstance(v, dict) and {"circuit", "n_events"} <= set(v)
+    }
     calibration = _read_calibration(
         read_table(out_dir / "calibration.csv"),
         std_floor=summary.get("null_std_floor", 1e-2),

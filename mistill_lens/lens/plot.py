@@ -42,7 +42,10 @@ def head_map_figure(
     z = calibration.z.masked_fill(unswept, float("nan"))
     raw_span = max(float(raw.nan_to_num(0).abs().max()), 1e-6)
     z_span = max(float(z.nan_to_num(0).abs().max()), z_min or 0.0, 1e-6)
-    threshold = f", circuit z >= {z_min:g} outlined" if z_min is not None else ""
+    if z_min is not None:
+        threshold = f", circuit z >= {z_min:g} outlined"
+    else:  # a circuit chosen otherwise (by joint effect), or none
+        threshold = ", circuit outlined" if circuits and any(circuits.values()) else ""
     titles = [
         f"{kind} (n={counts.get(kind, '?')} events): {what}"
         for kind in kinds

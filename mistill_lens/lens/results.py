@@ -27,6 +27,9 @@ from mistill_lens.options import check_options
 MEASURES = ("necessity", "sufficiency", "knock_in")
 
 
+CIRCUIT_RULES = ("z", "faithful")
+
+
 @dataclass(frozen=True)
 class CharacterizeConfig:
     """How a characterisation runs (frozen: change a copy with ``dataclasses.replace``)."""
@@ -93,6 +96,10 @@ class CharacterizeConfig:
     # the model ranks highest at its clean run among those the data names, frozen; "listed", the
     # data's one listed contrast. Events whose data names no rivals use their listed contrast.
     contrasts: str = "strongest"
+    # Which head sets are the run's circuits, for its measures, figures and every consumer
+    # (MISTILL's head sets, a student's recovery): "z", the heads significant alone (z >= z_min);
+    # "faithful", the sets the faithfulness search finds by joint effect (needs faithful_pool).
+    circuit: str = "z"
 
     def __post_init__(self):
         # each config holds its own copies: a dict shared with another config (a default, the
@@ -125,6 +132,13 @@ class CharacterizeConfig:
                 f"faithful_method must be one of {METHODS}, got {self.faithful_method!r}"
             )
         check_contrast_rule(self.contrasts)
+        if self.circuit not in CIRCUIT_RULES:
+            raise ValueError(f"circuit must be one of {CIRCUIT_RULES}, got {self.circuit!r}")
+        if self.circuit == "faithful" and self.faithful_pool is None:
+            raise ValueError(
+                "circuit='faithful' needs the faithfulness search: set faithful_pool (the number "
+                "of candidate heads, e.g. 40)"
+            )
         if self.stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
 
