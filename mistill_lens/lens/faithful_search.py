@@ -116,7 +116,7 @@ class Search:
             rankings = dict.fromkeys(MEASURES, ranking)
         else:
             rankings = {
-                measure: self._mask_ranking(model, batch, means, pool, log, f"{where}/{measure}")
+                measure: self._mask_ranking(model, batch, means, pool, measure, log, where)
                 for measure in MEASURES
             }
         necessity, sufficiency = (
@@ -125,12 +125,14 @@ class Search:
         )
         return necessity, sufficiency
 
-    def _mask_ranking(self, model, batch, means, pool, log: SearchLog, key: str) -> list[Head]:
-        """The pool ranked by a learned mask's gates for one measure (stored in `log` once learned:
-        learning it is the method's cost)."""
+    def _mask_ranking(
+        self, model, batch, means, pool, measure: str, log: SearchLog, where: str
+    ) -> list[Head]:
+        """The pool ranked by a learned mask's gates for `measure` (kept in `log` under `where`
+        once learned: learning it is the method's cost)."""
+        key = f"{where}/{measure}"
         stored = log.result(key)
         if stored is None:
-            measure = key.rsplit("/", 1)[1]
             stored = ranked_heads(learn_mask(model, batch, means, measure, self.mask_steps), pool)
             log.finish(key, [list(h) for h in stored])
         return [as_head(h) for h in stored]
