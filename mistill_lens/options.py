@@ -57,6 +57,18 @@ def non_negative_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def open_share(name: str, value: Any) -> float:
+    """A share strictly between 0 and 1 (a split that leaves both sides something)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value < 1
+    ):
+        raise ValueError(f"{name} must be a share strictly between 0 and 1, got {value!r}")
+    return float(value)
+
+
 positive = at_least(1)
 non_negative = at_least(0)
 

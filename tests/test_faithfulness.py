@@ -410,6 +410,31 @@ def test_characterize_reports_the_faithful_circuit_on_held_out_examples(planted,
     assert summary["circuit"] == [list(DECIDER), list(WITHIN)]  # the z rule's
 
 
+def test_the_discovery_share_splits_whole_examples(planted, tmp_path):
+    """--faithful-discovery 0.25 of 20 examples: the search discovers on 5 and reports on 15, and
+    still finds the planted region heads; a share that leaves a side empty is refused."""
+    from characterized import characterize_into
+    from planted import DECIDER, GENERIC
+
+    from mistill_lens.lens.results import CharacterizeConfig
+
+    with pytest.raises(ValueError, match="faithful_discovery must be a share strictly between"):
+        CharacterizeConfig(faithful_pool=6, faithful_discovery=1.0)
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(
+        seed=0,
+        ks=(1, 2),
+        progress=False,
+        faithful_pool=6,
+        faithful_random_draws=0,
+        faithful_discovery=0.25,
+    )
+    args = (bridge, tokenizer, planted_examples(20, seed=0), planted_examples(40, seed=1))
+    region = characterize_into(tmp_path / "run", *args, config)["faithful"]["region"]
+    assert (region["n_examples_discovery"], region["n_examples_validation"]) == (5, 15)
+    assert region["heads"] == [list(DECIDER), list(GENERIC)]
+
+
 class _Interrupted(Exception):
     pass
 

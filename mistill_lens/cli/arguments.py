@@ -12,6 +12,7 @@ from mistill_lens.options import (
     SEED_MAX,
     non_negative,
     non_negative_float,
+    open_share,
     positive,
     positive_float,
     seed,
@@ -44,6 +45,7 @@ NON_NEGATIVE_INT = cli_type(non_negative)
 SEED = cli_type(seed)
 POSITIVE_FLOAT = cli_type(positive_float, float)
 NON_NEGATIVE_FLOAT = cli_type(non_negative_float, float)
+SHARE = cli_type(open_share, float)
 
 SEED_HELP = "{} seed, 0-" + str(SEED_MAX) + " (default 0)"
 

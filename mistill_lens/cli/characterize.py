@@ -16,6 +16,7 @@ from mistill_lens.cli.arguments import (
     POSITIVE_INT,
     SEED,
     SEED_HELP,
+    SHARE,
     add_task_options,
     task_config,
 )
@@ -117,7 +118,7 @@ def add_parser(sub) -> None:
         default=None,
         help="also search each kind's smallest head set by its joint effect (necessity and "
         "normalised sufficiency >= 0.8) among the POOL heads with the largest single-head effects, "
-        "on half of the examples, and report it on the other half with bootstrap CIs "
+        "on --faithful-discovery of the examples, and report it on the rest with bootstrap CIs "
         "(summary.json: faithful); costs a few minutes per kind on the default teacher",
     )
     parser.add_argument(
@@ -159,6 +160,14 @@ def add_parser(sub) -> None:
         help="with --faithful: rerun the search on N bootstrap resamples of the discovery examples "
         "and report how often each pool head is chosen (summary.json: faithful.<kind>.stability; "
         "figures/stability.html; 10 or more for a reading; default 0: none)",
+    )
+    parser.add_argument(
+        "--faithful-discovery",
+        type=SHARE,
+        default=0.5,
+        metavar="SHARE",
+        help="with --faithful: the share of the examples (whole examples, seeded) the search "
+        "discovers on; the rest validate (e.g. 0.34 of --n 150: 51 and 99) (default 0.5)",
     )
     parser.add_argument(
         "--faithful-method",
@@ -210,6 +219,7 @@ def run(args: argparse.Namespace) -> dict:
             ("--faithful-stability", args.faithful_stability),
             ("--faithful-method", args.faithful_method != "greedy"),
             ("--faithful-compare", args.faithful_compare),
+            ("--faithful-discovery", args.faithful_discovery != 0.5),
         ]
         if given
     ]
@@ -262,6 +272,7 @@ def _config(args: argparse.Namespace, **overrides) -> CharacterizeConfig:
         faithful_stability=args.faithful_stability,
         faithful_method=args.faithful_method,
         faithful_compare=args.faithful_compare,
+        faithful_discovery=args.faithful_discovery,
         components=args.components,
         contrasts=args.contrasts,
         circuit=args.circuit,

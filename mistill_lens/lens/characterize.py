@@ -523,8 +523,8 @@ def _characterize(
 
 
 def _faithful(model, batch, means, exact, config, sweep_dir, warned: list[str]) -> dict:
-    """Per kind and for all decided events: the head set found by its joint effect on half of
-    the examples (seeded), reported on the other half. With `sweep_dir` the searches keep their
+    """Per kind and for all decided events: the head set found by its joint effect on
+    `config.faithful_discovery` of the examples (seeded), reported on the rest. With `sweep_dir` the searches keep their
     steps in a log there (`SEARCH_LOG`) and an interrupted run resumes from it."""
     if config.faithful_pool is None:
         return {}
@@ -533,7 +533,9 @@ def _faithful(model, batch, means, exact, config, sweep_dir, warned: list[str]) 
         search_fingerprint(backend_for(model).model, batch, means, config),
         config.stale,
     )
-    discovery = split_by_example([e.example_id for e in batch.events], 0.5, config.seed)
+    discovery = split_by_example(
+        [e.example_id for e in batch.events], 1 - config.faithful_discovery, config.seed
+    )
     found = {}
     for kind in [*dict.fromkeys(batch.kinds), "all"]:
         rows = (
@@ -542,7 +544,10 @@ def _faithful(model, batch, means, exact, config, sweep_dir, warned: list[str]) 
             else kind_mask(batch.kinds, kind)
         )
         if not (rows & discovery).any() or not (rows & ~discovery).any():
-            warned.append(f"faithful circuit of {kind!r} not searched: its events lie in one half")
+            warned.append(
+                f"faithful circuit of {kind!r} not searched: its events lie on one side of the "
+                "discovery / validation split"
+            )
             continue
         found[kind] = log.result(kind)
         if found[kind] is None:

@@ -71,8 +71,8 @@ class CharacterizeConfig:
     # is a cluster address; None runs them in this process.
     ray: str | None = None
     shards: int = 2
-    # Search head sets by their joint effect (lens/faithfulness.py) on half of the examples and
-    # report them on the other half: the candidates are the `faithful_pool` heads with the largest
+    # Search head sets by their joint effect (lens/faithfulness.py) on `faithful_discovery` of
+    # the examples (a share, whole examples, seeded) and report them on the rest: the candidates are the `faithful_pool` heads with the largest
     # single-head effects (None: no search), sets grow up to `faithful_max_size` heads, and the
     # target is the necessity and normalised sufficiency to reach; `faithful_random_draws` random
     # head sets per size are the baseline (0: none); `faithful_stability` bootstrap resamples of
@@ -88,6 +88,7 @@ class CharacterizeConfig:
     faithful_method: str = "greedy"
     faithful_compare: bool = False
     faithful_mask_steps: int = 100
+    faithful_discovery: float = 0.5
     # The layer outputs' shares of the margin (lens/components.py: each layer's hook_mlp_out and
     # hook_attn_out at the events replaced by its per-kind reference mean, alone and cumulatively):
     # "are the decisions made by heads or by MLPs at the decision token?"
@@ -122,6 +123,7 @@ class CharacterizeConfig:
             faithful_random_draws=options.non_negative,
             faithful_stability=options.non_negative,
             faithful_mask_steps=options.positive,
+            faithful_discovery=options.open_share,
         )
         if not 0 < self.faithful_target <= 1:
             raise ValueError(
