@@ -134,14 +134,15 @@ def choose_contrasts(
     encoded: Sequence[EncodedExample],
     reference: Sequence[EncodedExample],
     rule: str,
+    progress: bool = False,
 ) -> tuple[list[EncodedExample], list[EncodedExample], dict[str, Any]]:
     """The analysed and reference examples with each event's contrast chosen by `rule`
     (lens/contrasts.py), and the record of it for the summary: the rule, per kind what the choice
     did on the analysed examples, and the tokens shared by events of several kinds."""
     if rule == "strongest":
         hooked = backend_for(model).model
-        encoded, by_kind = freeze_contrasts(hooked, encoded)
-        reference, _ = freeze_contrasts(hooked, reference)
+        encoded, by_kind = freeze_contrasts(hooked, encoded, progress)
+        reference, _ = freeze_contrasts(hooked, reference, progress, "reference contrasts")
     else:  # the listed contrast: named rivals are set aside
         encoded, reference = listed_contrasts(encoded), listed_contrasts(reference)
         by_kind = {}
@@ -428,7 +429,9 @@ def _characterize(
 ) -> Characterization:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded, reference = encode_checked(model, tokenizer, examples, reference_examples)
-    encoded, reference, contrasts = choose_contrasts(model, encoded, reference, config.contrasts)
+    encoded, reference, contrasts = choose_contrasts(
+        model, encoded, reference, config.contrasts, config.progress
+    )
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 
     every_event = make_event_batch(encoded, pad_token_id=pad)

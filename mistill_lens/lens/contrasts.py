@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, Rival
 from mistill_lens.lens.margins import logits_at
@@ -39,7 +40,10 @@ def check_contrast_rule(rule: str) -> None:
 
 @torch.no_grad()
 def freeze_contrasts(
-    model: HookedModel, encoded: Sequence[EncodedExample]
+    model: HookedModel,
+    encoded: Sequence[EncodedExample],
+    progress: bool = False,
+    desc: str = "strongest contrasts",
 ) -> tuple[list[EncodedExample], dict[str, dict[str, Any]]]:
     """Every event with named rivals scored against the strongest of them by `model`'s clean
     logits (one forward per example, the needed positions alone unembedded), frozen as the event's
@@ -48,10 +52,11 @@ def freeze_contrasts(
     named rivals keep their listed contrast. Returns the examples and, per kind, what the choice
     did: `events`, `rivals` (mean number per event), `listed_strongest` (share of events whose
     listed contrast was at least as strong as every rival), `margin_listed` / `margin_strongest` (mean clean margins
-    against the listed contrast and against the frozen one) and `no_rival` (events left out)."""
+    against the listed contrast and against the frozen one) and `no_rival` (events left out).
+    `progress` shows a bar over the examples (at ~1,200 tokens each forward takes seconds)."""
     frozen_examples = []
     records: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for example in encoded:
+    for example in tqdm(encoded, desc=desc, disable=not progress):
         own = _own_rivals(example)
         logits = _logits_by_position(model, example, [e for e in own if own[e]])
         events = []
