@@ -19,21 +19,24 @@ from mistill_lens.lens.examples import read_examples
 REGIONS = ["I21", "I25", "X45", "R40", "I31"]
 
 
-@pytest.fixture(scope="module")
-def char_model(tmp_path_factory):
-    """A random GPT-2 on a character tokenizer: a code is several tokens, so rivals depart at
-    different tokens ("I21" from "X45" at the letter, from "I25" at the last digit)."""
-    tokenizer = char_tokenizer(tmp_path_factory.mktemp("chars"))
-    torch.manual_seed(0)
+def random_gpt2(tokenizer, seed: int) -> TransformerBridge:
+    torch.manual_seed(seed)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4)
-    bridge = TransformerBridge.boot_transformers(
+    return TransformerBridge.boot_transformers(
         "random-gpt2",
         hf_model=GPT2LMHeadModel(config).eval(),
         tokenizer=tokenizer,
         device="cpu",
         dtype=torch.float32,
     )
-    return bridge, tokenizer
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    """A random GPT-2 on a character tokenizer: a code is several tokens, so rivals depart at
+    different tokens ("I21" from "X45" at the letter, from "I25" at the last digit)."""
+    tokenizer = char_tokenizer(tmp_path_factory.mktemp("chars"))
+    return random_gpt2(tokenizer, 0), tokenizer
 
 
 def example(chosen: str, rivals, near_miss: str | None = None, listed=REGIONS) -> dict:
@@ -215,3 +218,40 @@ def test_rivals_in_the_jsonl_format(tmp_path):
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(ValueError, match="line 1: event 0: rivals must be a list of texts"):
             read_examples(path)
+
+
+def test_a_logged_choice_is_read_back_not_recomputed(char_model, tmp_path, monkeypatch):
+    """With a log, each example's clean margins are kept as they are read: a second run takes
+    them from the file (the model is made unable to run) and freezes the same contrasts with the
+    same record; a log written for other weights is refused, or discarded on request."""
+    import mistill_lens.lens.contrasts as contrasts
+    from mistill_lens.lens.contrasts import contrast_log
+    from mistill_lens.lens.fingerprint import StaleResultError, StaleResultWarning
+
+    bridge, tokenizer = char_model
+    letters = ["I21", "X21", "R21", "a21"]
+    examples = [
+        events_from_spans(example(c, [r for r in letters if r != c], near_miss="I25"), tokenizer, i)
+        for i, c in enumerate(letters)
+    ]
+    path = tmp_path / "contrasts.json"
+    first = freeze_contrasts(bridge, examples, log=contrast_log(path, bridge))
+    assert path.is_file()
+
+    def no_forward(*_, **__):
+        raise AssertionError("the model ran again")
+
+    monkeypatch.setattr(contrasts, "_logits_by_position", no_forward)
+    assert freeze_contrasts(bridge, examples, log=contrast_log(path, bridge)) == first
+    with pytest.raises(AssertionError, match="ran again"):  # an example the log lacks
+        freeze_contrasts(
+            bridge,
+            examples + [events_from_spans(example("b21", letters), tokenizer, 9)],
+            log=contrast_log(path, bridge),
+        )
+    monkeypatch.undo()
+    other = random_gpt2(tokenizer, 1)
+    with pytest.raises(StaleResultError, match="contrast log .* model weights"):
+        contrast_log(path, other)
+    with pytest.warns(StaleResultWarning, match="started afresh"):
+        contrast_log(path, other, stale="recompute")

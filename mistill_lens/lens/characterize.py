@@ -44,7 +44,12 @@ from mistill_lens.lens.circuits import (
     select_circuit,
 )
 from mistill_lens.lens.components import SITES, component_shares, component_summary
-from mistill_lens.lens.contrasts import freeze_contrasts, listed_contrasts, shared_positions
+from mistill_lens.lens.contrasts import (
+    contrast_log,
+    freeze_contrasts,
+    listed_contrasts,
+    shared_positions,
+)
 from mistill_lens.lens.elicitation import (
     carrying_heads,
     elicitation_curve,
@@ -75,7 +80,7 @@ from mistill_lens.lens.results import (
     CharacterizeConfig,
     ExampleView,
 )
-from mistill_lens.lens.run_folder import SEARCH_LOG
+from mistill_lens.lens.run_folder import CONTRAST_LOG, SEARCH_LOG
 from mistill_lens.lens.search_log import SearchLog
 from mistill_lens.lens.sharding import sharded_sweep
 from mistill_lens.lens.sweep import (
@@ -135,14 +140,19 @@ def choose_contrasts(
     reference: Sequence[EncodedExample],
     rule: str,
     progress: bool = False,
+    log_path: Path | None = None,
+    stale: str = "error",
 ) -> tuple[list[EncodedExample], list[EncodedExample], dict[str, Any]]:
     """The analysed and reference examples with each event's contrast chosen by `rule`
     (lens/contrasts.py), and the record of it for the summary: the rule, per kind what the choice
-    did on the analysed examples, and the tokens shared by events of several kinds."""
+    did on the analysed examples, and the tokens shared by events of several kinds. With
+    `log_path` the clean margins that choose them are kept there, so a resumed run reads them
+    instead of running the model again."""
     if rule == "strongest":
         hooked = backend_for(model).model
-        encoded, by_kind = freeze_contrasts(hooked, encoded, progress)
-        reference, _ = freeze_contrasts(hooked, reference, progress, "reference contrasts")
+        log = contrast_log(log_path, hooked, stale)
+        encoded, by_kind = freeze_contrasts(hooked, encoded, progress, log=log)
+        reference, _ = freeze_contrasts(hooked, reference, progress, "reference contrasts", log)
     else:  # the listed contrast: named rivals are set aside
         encoded, reference = listed_contrasts(encoded), listed_contrasts(reference)
         by_kind = {}
@@ -430,7 +440,13 @@ def _characterize(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     encoded, reference = encode_checked(model, tokenizer, examples, reference_examples)
     encoded, reference, contrasts = choose_contrasts(
-        model, encoded, reference, config.contrasts, config.progress
+        model,
+        encoded,
+        reference,
+        config.contrasts,
+        config.progress,
+        sweep_dir / CONTRAST_LOG if sweep_dir is not None else None,
+        config.stale,
     )
     means = reference_means(model, reference, config.null_per_event, config.seed, pad)
 

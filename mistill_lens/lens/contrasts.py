@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from mistill_lens.lens.events import DecisionEvent, EncodedExample, Rival
+from mistill_lens.lens.fingerprint import model_digest, value_digest
 from mistill_lens.lens.margins import logits_at
 from mistill_lens.lens.model_types import HookedModel
+from mistill_lens.lens.search_log import SearchLog, in_memory
 
 # how an event's contrast is chosen: the data's listed contrast, or the strongest named rival
 CONTRAST_RULES = ("strongest", "listed")
@@ -38,12 +41,12 @@ def check_contrast_rule(rule: str) -> None:
         raise ValueError(f"unknown contrast rule {rule!r}; expected one of {CONTRAST_RULES}")
 
 
-@torch.no_grad()
 def freeze_contrasts(
     model: HookedModel,
     encoded: Sequence[EncodedExample],
     progress: bool = False,
     desc: str = "strongest contrasts",
+    log: SearchLog | None = None,
 ) -> tuple[list[EncodedExample], dict[str, dict[str, Any]]]:
     """Every event with named rivals scored against the strongest of them by `model`'s clean
     logits (one forward per example, the needed positions alone unembedded), frozen as the event's
@@ -53,34 +56,82 @@ def freeze_contrasts(
     did: `events`, `rivals` (mean number per event), `listed_strongest` (share of events whose
     listed contrast was at least as strong as every rival), `margin_listed` / `margin_strongest` (mean clean margins
     against the listed contrast and against the frozen one) and `no_rival` (events left out).
-    `progress` shows a bar over the examples (at ~1,200 tokens each forward takes seconds)."""
+    `progress` shows a bar over the examples (at ~1,200 tokens each forward takes seconds). With a
+    `log` (:func:`contrast_log`: fingerprinted by the model's weights) each example's clean margins
+    are kept there as they are read, so a rerun reads none again; the margins are stored exactly,
+    so a resumed choice equals a fresh one."""
+    log = in_memory() if log is None else log
     frozen_examples = []
     records: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for example in tqdm(encoded, desc=desc, disable=not progress):
+        key = _example_key(example)
+        scores = log.result(key)
+        if scores is None:
+            scores = _rival_margins(model, example)
+            log.finish(key, scores)
         own = _own_rivals(example)
-        logits = _logits_by_position(model, example, [e for e in own if own[e]])
         events = []
-        for event in example.events:
+        for event, score in zip(example.events, scores):
             if event.rivals is None:
                 events.append(event)
                 continue
             record = records[event.kind]
-            rivals = own[event]
-            if not rivals:
+            if not own[event]:
                 record["no_rival"].append(1.0)
                 continue
-            listed = _margin(logits, event.position, event.chosen_token, event.contrast_tokens[0])
-            margins = [
-                _margin(logits, r.position, r.chosen_token, r.contrast_token) for r in rivals
-            ]
-            strongest = rivals[min(range(len(margins)), key=margins.__getitem__)]
+            margins = score["rivals"]
+            strongest = own[event][min(range(len(margins)), key=margins.__getitem__)]
             events.append(_frozen(event, strongest))
-            record["rivals"].append(float(len(rivals)))
-            record["listed_strongest"].append(float(min(margins) >= listed))
-            record["margin_listed"].append(listed)
+            record["rivals"].append(float(len(margins)))
+            record["listed_strongest"].append(float(min(margins) >= score["listed"]))
+            record["margin_listed"].append(score["listed"])
             record["margin_strongest"].append(min(margins))
         frozen_examples.append(dataclasses.replace(example, events=events))
     return frozen_examples, {kind: _summarise(record) for kind, record in records.items()}
+
+
+def contrast_log(path: str | Path | None, model: HookedModel, stale: str = "error") -> SearchLog:
+    """Where :func:`freeze_contrasts` keeps each example's clean margins against its rivals
+    (`path`: JSON, rewritten atomically after each example; None: in memory), refused (or, with
+    ``stale="recompute"``, discarded) when written for other weights."""
+    return SearchLog(
+        path,
+        {"model weights": model_digest(model), "contrasts": "strongest"},
+        stale,
+        what="contrast log",
+    )
+
+
+@torch.no_grad()
+def _rival_margins(model: HookedModel, example: EncodedExample) -> list[dict[str, Any] | None]:
+    """Per event, its clean margin against the listed contrast and against each of its own rivals
+    (in :func:`_own_rivals`' order); None for an event without named rivals."""
+    own = _own_rivals(example)
+    logits = _logits_by_position(model, example, [e for e in own if own[e]])
+    scores: list[dict[str, Any] | None] = []
+    for event in example.events:
+        if event.rivals is None or not own[event]:
+            scores.append(None if event.rivals is None else {"listed": None, "rivals": []})
+            continue
+        scores.append(
+            {
+                "listed": _margin(
+                    logits, event.position, event.chosen_token, event.contrast_tokens[0]
+                ),
+                "rivals": [
+                    _margin(logits, r.position, r.chosen_token, r.contrast_token)
+                    for r in own[event]
+                ],
+            }
+        )
+    return scores
+
+
+def _example_key(example: EncodedExample) -> str:
+    """An example's identity for the log: its id, tokens and events (rivals included)."""
+    return f"{example.example_id}-" + value_digest(
+        [example.tokens, [dataclasses.asdict(e) for e in example.events]]
+    )
 
 
 def listed_contrasts(encoded: Sequence[EncodedExample]) -> list[EncodedExample]:

@@ -14,6 +14,9 @@ SUMMARY = "summary.json"
 EXAMPLE_FILE = "example.json"  # one example token by token: the token-labelled figures
 RESUMABLE_FILES = ("sweep.csv", "sweep_null.csv")
 SEARCH_LOG = "faithful_search.json"  # the faithfulness search's steps (lens/search_log.py)
+CONTRAST_LOG = (
+    "contrasts.json"  # each example's clean margins against its rivals (lens/contrasts.py)
+)
 DERIVED_FILES = (
     "attribution.csv",
     "calibration.csv",
@@ -55,7 +58,7 @@ def prepare_output(out_dir: str | Path) -> Path:
     """Claim `out_dir` as a characterisation folder and remove what an earlier run derived there
     (every derived file is rewritten; a figure or table this run does not make must not survive,
     and a folder without `summary.json` is never mistaken for a finished one). The resumable
-    sweep tables and the search log stay."""
+    sweep tables and the search and contrast logs stay."""
     out_dir = claim_characterize_dir(out_dir)
     for name in DERIVED_FILES:
         target = out_dir / name

@@ -36,11 +36,16 @@ class SearchLog:
     """Steps and results of a search by key, in `path` (JSON) when one is given."""
 
     def __init__(
-        self, path: str | Path | None, fingerprint: Mapping[str, str], stale: str = "error"
+        self,
+        path: str | Path | None,
+        fingerprint: Mapping[str, str],
+        stale: str = "error",
+        what: str = "search log",
     ):
         if stale not in ("error", "recompute"):
             raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
         self.path = Path(path) if path is not None else None
+        self.what = what
         self.fingerprint = {"format": SEARCH_LOG_FORMAT, **fingerprint}
         self._steps: dict[str, list[dict]] = {}
         self._results: dict[str, Any] = {}
@@ -51,13 +56,12 @@ class SearchLog:
         stored = json.loads(self.path.read_text())
         try:
             check_fingerprint(
-                stored.get("fingerprint"), self.fingerprint, f"search log {self.path}"
+                stored.get("fingerprint"), self.fingerprint, f"{self.what} {self.path}"
             )
         except StaleResultError as error:
             if stale == "error":
                 raise StaleResultError(
-                    f"{error}; remove it, or recompute (stale='recompute') to start the search "
-                    "afresh"
+                    f"{error}; remove it, or recompute (stale='recompute') to start it afresh"
                 ) from None
             warnings.warn(f"{error}: started afresh", StaleResultWarning, stacklevel=3)
             return
