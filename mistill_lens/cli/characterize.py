@@ -112,24 +112,6 @@ def add_parser(sub) -> None:
         "pip install 'mistill_lens[ray]')",
     )
     parser.add_argument(
-        "--faithful",
-        type=POSITIVE_INT,
-        metavar="POOL",
-        default=None,
-        help="also search each kind's smallest head set by its joint effect (necessity and "
-        "normalised sufficiency >= 0.8) among the POOL heads with the largest single-head effects, "
-        "on --faithful-discovery of the examples, and report it on the rest with bootstrap CIs "
-        "(summary.json: faithful); costs a few minutes per kind on the default teacher",
-    )
-    parser.add_argument(
-        "--circuit",
-        choices=("z", "faithful"),
-        default="z",
-        help="the run's circuits, for its measures, figures and every consumer (distillation's "
-        "head sets, a student's recovery): heads significant alone at --z-min (default), or the "
-        "sets the faithfulness search finds by joint effect (needs --faithful)",
-    )
-    parser.add_argument(
         "--contrasts",
         choices=("strongest", "listed"),
         default="strongest",
@@ -143,45 +125,6 @@ def add_parser(sub) -> None:
         help="also measure the layer outputs' shares of each kind's margin (every layer's MLP and "
         "attention output at the events mean-replaced, alone and cumulatively; summary.json: "
         "components)",
-    )
-    parser.add_argument(
-        "--faithful-draws",
-        type=NON_NEGATIVE_INT,
-        default=20,
-        metavar="N",
-        help="with --faithful: N random head sets per size as the baseline band and the found "
-        "set's p-value (default 20; 0: none)",
-    )
-    parser.add_argument(
-        "--faithful-stability",
-        type=NON_NEGATIVE_INT,
-        default=0,
-        metavar="N",
-        help="with --faithful: rerun the search on N bootstrap resamples of the discovery examples "
-        "and report how often each pool head is chosen (summary.json: faithful.<kind>.stability; "
-        "figures/stability.html; 10 or more for a reading; default 0: none)",
-    )
-    parser.add_argument(
-        "--faithful-discovery",
-        type=SHARE,
-        default=0.5,
-        metavar="SHARE",
-        help="with --faithful: the share of the examples (whole examples, seeded) the search "
-        "discovers on; the rest validate (e.g. 0.34 of --n 150: 51 and 99) (default 0.5)",
-    )
-    parser.add_argument(
-        "--faithful-method",
-        choices=["greedy", "mask", "single"],
-        default="greedy",
-        help="with --faithful: how the set is searched: greedy joint ablation (forward addition, "
-        "backward pruning), a learned mask (a gate per head trained on the discovery events, heads "
-        "ranked by gate), or the single-head effects' ranking (default greedy)",
-    )
-    parser.add_argument(
-        "--faithful-compare",
-        action="store_true",
-        help="with --faithful: run all three methods on the same pool and events and record each "
-        "one's set, its validation measures and its curves (summary.json: faithful.<kind>.methods)",
     )
     parser.add_argument(
         "--elicitation-kind",
@@ -200,8 +143,71 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--shards", type=POSITIVE_INT, default=2, help="Ray tasks per sweep with --ray (default 2)"
     )
+    _add_faithful_options(parser)
     add_task_options(parser, defaults_from_model=True)
     parser.set_defaults(func=run, resume_hint="the sweep rows done so far are kept in --out")
+
+
+def _add_faithful_options(parser: argparse.ArgumentParser) -> None:
+    """The faithfulness search's options (lens/faithful_search.py), shown as one group."""
+    group = parser.add_argument_group("faithful circuits (the search by joint effect)")
+    group.add_argument(
+        "--faithful",
+        type=POSITIVE_INT,
+        metavar="POOL",
+        default=None,
+        help="also search each kind's smallest head set by its joint effect (necessity and "
+        "normalised sufficiency >= 0.8) among the POOL heads with the largest single-head effects, "
+        "on --faithful-discovery of the examples, and report it on the rest with bootstrap CIs "
+        "(summary.json: faithful); costs a few minutes per kind on the default teacher",
+    )
+    group.add_argument(
+        "--circuit",
+        choices=("z", "faithful"),
+        default="z",
+        help="the run's circuits, for its measures, figures and every consumer (distillation's "
+        "head sets, a student's recovery): heads significant alone at --z-min (default), or the "
+        "sets the faithfulness search finds by joint effect (needs --faithful)",
+    )
+    group.add_argument(
+        "--faithful-draws",
+        type=NON_NEGATIVE_INT,
+        default=20,
+        metavar="N",
+        help="with --faithful: N random head sets per size as the baseline band and the found "
+        "set's p-value (default 20; 0: none)",
+    )
+    group.add_argument(
+        "--faithful-stability",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        metavar="N",
+        help="with --faithful: rerun the search on N bootstrap resamples of the discovery examples "
+        "and report how often each pool head is chosen (summary.json: faithful.<kind>.stability; "
+        "figures/stability.html; 10 or more for a reading; default 0: none)",
+    )
+    group.add_argument(
+        "--faithful-discovery",
+        type=SHARE,
+        default=0.5,
+        metavar="SHARE",
+        help="with --faithful: the share of the examples (whole examples, seeded) the search "
+        "discovers on; the rest validate (e.g. 0.34 of --n 150: 51 and 99) (default 0.5)",
+    )
+    group.add_argument(
+        "--faithful-method",
+        choices=["greedy", "mask", "single"],
+        default="greedy",
+        help="with --faithful: how the set is searched: greedy joint ablation (forward addition, "
+        "backward pruning), a learned mask (a gate per head trained on the discovery events, heads "
+        "ranked by gate), or the single-head effects' ranking (default greedy)",
+    )
+    group.add_argument(
+        "--faithful-compare",
+        action="store_true",
+        help="with --faithful: run all three methods on the same pool and events and record each "
+        "one's set, its validation measures and its curves (summary.json: faithful.<kind>.methods)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
