@@ -117,10 +117,65 @@ def characterization_section(found: Characterization, run: Path | str) -> str:
         f"<p>Model {html.escape(str(summary.get('model', '?')))}.</p>"
         + facts
         + measures_table
+        + (_faithful_table(found.faithful) if found.faithful else "")
         + (f"<ul>{warnings}</ul>" if warnings else "<p>No warnings.</p>")
         + "".join(_figure(fig) for fig in figures)
         + f"<p>Command:</p><pre>{html.escape(command)}</pre>"
         + f"<details><summary>summary.json</summary><pre>{html.escape(json.dumps(summary, indent=1))}</pre></details>"
+    )
+
+
+def _faithful_table(faithful: dict) -> str:
+    """Per kind (and all events), each searched method's set on the validation examples: size,
+    necessity, normalised sufficiency and coverage with their 95 % intervals, and the p against
+    random sets of the method's size where the run drew them."""
+
+    def with_ci(result: dict, measure: str) -> str:
+        low_high = result.get(f"{measure}_ci")
+        interval = f" [{_number(low_high[0])}, {_number(low_high[1])}]" if low_high else ""
+        return f"{_number(result.get(measure))}{interval}"
+
+    rows = []
+    for kind, found in faithful.items():
+        methods = found.get("methods") or {found["method"]: found}
+        for method, result in methods.items():
+            chosen = method == found["method"]
+            random = found.get("random_same_size", {}) if chosen else {}
+            rows.append(
+                [
+                    kind,
+                    method + (" (the run's)" if chosen and len(methods) > 1 else ""),
+                    ", ".join(f"L{l}H{h}" for l, h in result["heads"]) or "-",
+                    result["size"],
+                    *(with_ci(result, m) for m in ("necessity", "sufficiency", "coverage")),
+                    *(_number(random.get(m, {}).get("p")) for m in ("necessity", "sufficiency")),
+                    f"{found['n_examples_discovery']} / {found['n_examples_validation']}",
+                    found["n_events"],
+                ]
+            )
+    return (
+        "<h3>Faithful circuits (found by joint effect, measured on held-out examples)</h3>"
+        + _table(
+            [
+                "kind",
+                "method",
+                "set",
+                "size",
+                "necessity [95 % CI]",
+                "sufficiency, normalised [95 % CI]",
+                "coverage [95 % CI]",
+                "p vs random sets (necessity)",
+                "p vs random sets (sufficiency)",
+                "examples: discovery / validation",
+                "validation events",
+            ],
+            rows,
+        )
+        + "<p class='note'>Each set is searched on the discovery examples and measured on the "
+        "validation examples. Necessity and sufficiency are ratios of mean margins over the "
+        "validation events (sufficiency normalised by the all-heads-ablated margin); coverage is "
+        "the share of validation examples whose margin the set removes at least 0.8 of; intervals "
+        "are bootstrap over examples. Only the run's method has random sets drawn; '-' there.</p>"
     )
 
 

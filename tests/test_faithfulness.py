@@ -3,6 +3,7 @@ jointly (each a quarter of the margin, closed form), while a per-head z rule fin
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import encode_all, head_ablation_effects
@@ -314,6 +315,8 @@ def test_the_three_methods_compared_on_held_out_examples(joint):
         assert result["sufficiency"] == pytest.approx(1.0, abs=1e-4)
         assert result["necessity"] == pytest.approx(1 - drift, abs=0.05)
     assert found["necessity"] == pytest.approx(found["methods"]["mask"]["necessity"], abs=1e-5)
+    for name in ("necessity_ci", "sufficiency_ci", "coverage", "coverage_ci"):
+        assert found["methods"]["mask"][name] == pytest.approx(found[name], abs=1e-5), name
     assert {(r["method"], r["measure"]) for r in found["curves"]} == {
         (m, measure)
         for m in ("mask", "greedy", "single")
@@ -323,6 +326,26 @@ def test_the_three_methods_compared_on_held_out_examples(joint):
         Search("beam")
     with pytest.raises(ValueError, match="target must be a share"):
         Search(target=1.5)
+
+
+def test_validation_measures_are_ratios_of_sums_with_coverage_by_example():
+    """Four examples of two events each, margins set by hand: necessity and sufficiency are
+    ratios of summed margins (not means of per-event ratios), coverage counts the examples whose
+    summed margin the set removes at least 0.8 of, and each interval holds its value."""
+    from mistill_lens.lens.faithful_search import validation_measures
+
+    clean = np.array([4.0, 4.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0])
+    ablated = np.array([0.0, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.5])  # removes 8, 2, 0, 3.5
+    kept = np.array([3.0, 3.0, 1.0, 1.0, 0.5, 0.5, 2.0, 1.0])
+    none = np.zeros(8)
+    ids = [0, 0, 1, 1, 2, 2, 3, 3]
+    measured = validation_measures(clean, ablated, kept, none, ids, seed=0)
+    assert measured["necessity"] == pytest.approx(13.5 / 18)
+    assert measured["sufficiency"] == pytest.approx(12 / 18)
+    assert measured["coverage"] == pytest.approx(2 / 4)  # examples 0 (8/8) and 3 (3.5/4)
+    for name in ("necessity", "sufficiency", "coverage"):
+        low, high = measured[f"{name}_ci"]
+        assert low <= measured[name] <= high and low < high, name
 
 
 def test_a_learned_mask_refuses_what_it_cannot_learn(joint):
@@ -417,6 +440,7 @@ def test_the_discovery_share_splits_whole_examples(planted, tmp_path):
     from planted import DECIDER, GENERIC
 
     from mistill_lens.lens.results import CharacterizeConfig
+    from mistill_lens.report import write_report
 
     with pytest.raises(ValueError, match="faithful_discovery must be a share strictly between"):
         CharacterizeConfig(faithful_pool=6, faithful_discovery=1.0)
@@ -433,6 +457,13 @@ def test_the_discovery_share_splits_whole_examples(planted, tmp_path):
     region = characterize_into(tmp_path / "run", *args, config)["faithful"]["region"]
     assert (region["n_examples_discovery"], region["n_examples_validation"]) == (5, 15)
     assert region["heads"] == [list(DECIDER), list(GENERIC)]
+    # the report's table shows the set, its measures with their intervals and the split
+    page = write_report([tmp_path / "run"], tmp_path / "report").read_text()
+    table = page[page.index("<h3>Faithful circuits") :]
+    region_row = table[table.index("<td>region</td>") :].split("</tr>")[0]
+    assert f"L{DECIDER[0]}H{DECIDER[1]}, L{GENERIC[0]}H{GENERIC[1]}" in region_row
+    low, high = region["necessity_ci"]
+    assert f"[{low:.3g}, {high:.3g}]" in region_row and "<td>5 / 15</td>" in region_row
 
 
 class _Interrupted(Exception):

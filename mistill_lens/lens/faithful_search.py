@@ -246,26 +246,62 @@ def _validated(
     validation: EventBatch,
     means: HeadMeans,
     sets: dict,
-    clean_and_none: tuple[float, float],
+    clean_and_none: tuple[np.ndarray, np.ndarray],
+    seed: int,
 ) -> dict:
-    """Each method's found set with its necessity and normalised sufficiency on the validation
-    events (point values; one batched call for every set). `clean_and_none`: the validation
-    events' mean clean and all-ablated margins, already measured by the caller."""
+    """Each method's found set with its measures on the validation events
+    (:func:`validation_measures`; one batched call for every set). `clean_and_none`: the
+    validation events' clean and all-ablated margins, already measured by the caller."""
     clean, none = clean_and_none
     masks = [head_mask(model, heads) for heads in sets.values()]
-    margins = backend_for(model).set_margins(
-        validation, means, torch.stack([*masks, *[~m for m in masks]])
+    margins = (
+        backend_for(model)
+        .set_margins(validation, means, torch.stack([*masks, *[~m for m in masks]]))
+        .double()
     )
-    means_by_mask = margins.double().mean(dim=1).tolist()
-    ablated, kept = means_by_mask[: len(sets)], means_by_mask[len(sets) :]
+    ids = [e.example_id for e in validation.events]
     return {
         method: {
             "heads": [list(h) for h in heads],
             "size": len(heads),
-            "necessity": (clean - a) / clean,
-            "sufficiency": (k - none) / (clean - none),
+            **validation_measures(clean, ablated.numpy(), kept.numpy(), none, ids, seed),
         }
-        for (method, heads), a, k in zip(sets.items(), ablated, kept)
+        for (method, heads), ablated, kept in zip(
+            sets.items(), margins[: len(sets)], margins[len(sets) :]
+        )
+    }
+
+
+def validation_measures(
+    clean: np.ndarray,
+    ablated: np.ndarray,
+    kept: np.ndarray,
+    none: np.ndarray,
+    example_ids: Sequence[int],
+    seed: int,
+) -> dict:
+    """A set's necessity and normalised sufficiency as ratios of mean margins over the events
+    (`clean`: no head ablated; `ablated`: the set; `kept`: every head but the set; `none`: every
+    head), and its coverage: the share of examples whose margin the set removes at least
+    :data:`COVERAGE_FLOOR` of; each with a 95 % bootstrap interval over examples."""
+    ids = np.asarray(example_ids)
+    necessity, necessity_ci = _ratio_ci(clean - ablated, clean, ids, seed)
+    sufficiency, sufficiency_ci = _ratio_ci(kept - none, clean - none, ids, seed)
+    per_example = {e: np.flatnonzero(ids == e) for e in dict.fromkeys(ids.tolist())}
+    covered = np.array(
+        [
+            float((clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR)
+            for rows in per_example.values()
+        ]
+    )
+    _, coverage_ci = _ratio_ci(covered, np.ones_like(covered), np.arange(len(covered)), seed)
+    return {
+        "necessity": necessity,
+        "necessity_ci": list(necessity_ci),
+        "sufficiency": sufficiency,
+        "sufficiency_ci": list(sufficiency_ci),
+        "coverage": float(covered.mean()),
+        "coverage_ci": list(coverage_ci),
     }
 
 
@@ -316,12 +352,7 @@ def faithful_circuit(
     margins = backend_for(model).set_margins(validation, means, masks)
     clean, ablated, kept, none = (m.double().numpy() for m in margins)
     ids = [e.example_id for e in validation.events]
-    necessity_value, necessity_ci = _ratio_ci(clean - ablated, clean, ids, seed)
-    sufficiency_value, sufficiency_ci = _ratio_ci(kept - none, clean - none, ids, seed)
-    covered = [
-        (clean[rows] - ablated[rows]).sum() / clean[rows].sum() >= COVERAGE_FLOOR
-        for rows in (np.flatnonzero(np.asarray(ids) == e) for e in dict.fromkeys(ids))
-    ]
+    measured = validation_measures(clean, ablated, kept, none, ids, seed)
     random = (
         _random_baselines(
             model,
@@ -330,7 +361,7 @@ def faithful_circuit(
             means,
             heads,
             search.max_size,
-            {"necessity": necessity_value, "sufficiency": sufficiency_value},
+            {"necessity": measured["necessity"], "sufficiency": measured["sufficiency"]},
             (float(clean.mean()), float(none.mean())),
             random_draws,
             seed,
@@ -355,20 +386,14 @@ def faithful_circuit(
     return {
         "heads": [list(h) for h in heads],
         "size": len(heads),
-        "necessity": necessity_value,
-        "necessity_ci": list(necessity_ci),
-        "sufficiency": sufficiency_value,
-        "sufficiency_ci": list(sufficiency_ci),
-        "coverage": float(np.mean(covered)),
+        **measured,
         "n_events": len(validation),
         "n_examples_discovery": len({e.example_id for e in discovery.events}),
         "n_examples_validation": len(set(ids)),
         "pool_size": len(pool),
         "target": search.target,
         "method": search.method,
-        "methods": _validated(
-            model, validation, means, sets, (float(clean.mean()), float(none.mean()))
-        ),
+        "methods": _validated(model, validation, means, sets, (clean, none), seed),
         "curves": [row for curve in curves for row in curve.to_rows()],
         **random,
         **stable,
