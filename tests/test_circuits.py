@@ -72,6 +72,11 @@ def test_necessity_sufficiency_and_knock_in_are_exact(planted, planted_data):
         and batch.events[d].example_id != batch.events[i].example_id
         for i, d in enumerate(donors.tolist())
     )
+    # one stream per kind: the region events' donors are the same events without the within ones
+    alone = batch.select(region_rows)
+    assert [alone.events[d] for d in knock_in_donors(alone, seed=0).tolist()] == [
+        batch.events[d] for d in donors[region_rows].tolist()
+    ]
     transfer = knock_in_transfer(bridge, batch, [DECIDER, WITHIN], donors)
     torch.testing.assert_close(
         transfer[region_rows],

@@ -116,10 +116,12 @@ def sufficiency(
 
 def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
     """For each event a donor event from another example, of the same kind, that chose a different
-    token (-1 if none), drawn deterministically from `seed`."""
-    rng = random.Random(seed)
+    token (-1 if none), drawn deterministically from `seed`: one stream per kind, so a kind's
+    donors do not move when events of another kind join or leave the batch."""
+    streams: dict[str, random.Random] = {}
     donors = torch.full((len(batch),), -1, dtype=torch.long)
     for row, event in enumerate(batch.events):
+        rng = streams.setdefault(event.kind, random.Random(f"{seed}:{event.kind}"))
         pool = [
             i
             for i, other in enumerate(batch.events)
