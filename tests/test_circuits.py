@@ -176,8 +176,11 @@ def test_sweep_is_resumable_and_matches_the_direct_effects(planted, planted_data
     path = tmp_path / "sweep.csv"
     partial = ablation_sweep(bridge, batch, means, path, heads=[(0, 0), (0, 1)], progress=False)
     assert len(partial) == 2 * len(batch)
-    with open(path, "a") as f:  # an interrupted head: half its rows written
-        f.write("0,0,region,18,1,0,6.0,6.0,0.0,0.0\n")
+    # an interrupted block: head (1, 0) written for the first 5 events, the sixth line cut short
+    rows = ablation_sweep(bridge, batch.select(range(6)), means, heads=[(1, 0)], progress=False)
+    lines = rows.to_csv(index=False, header=False).splitlines()
+    with open(path, "a") as f:
+        f.write("\n".join(lines[:5]) + "\n" + lines[5][:12])
     full = ablation_sweep(bridge, batch, means, path, progress=False)
     assert len(full) == 8 * len(batch) and len(
         full.drop_duplicates(["event_row", "layer", "head"])

@@ -3,6 +3,7 @@ Llama with grouped key/value heads and the planted model, in float32 and bfloat1
 
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 from characterized import characterize_into
@@ -193,6 +194,55 @@ def test_a_sweep_on_the_engine_equals_the_full_forward_sweep(planted, planted_da
     fast = effects_tensor(table, len(batch), bridge.cfg.n_layers, bridge.cfg.n_heads)
     torch.testing.assert_close(fast, full, atol=1e-5, rtol=0)
     assert full.abs().max() > 0.1  # the planted deciders move the margin
+    # a cache with room for about three examples: the sweep goes block by block, same table
+    engine = InterventionEngine(bridge)
+    engine.prepare(batch)
+    per_example = max(c.n_bytes for c in engine._caches.values())
+    tight = InterventionEngine(bridge, cache_bytes=3 * per_example)
+    assert len(tight.sweep_blocks(batch)) >= 8
+    blocked = ablation_sweep(tight, batch, means, progress=False)
+    pd.testing.assert_frame_equal(
+        blocked.drop(columns=["ablated_margin", "effect", "fraction_lost"]),
+        table.drop(columns=["ablated_margin", "effect", "fraction_lost"]),
+    )
+    torch.testing.assert_close(
+        effects_tensor(blocked, len(batch), bridge.cfg.n_layers, bridge.cfg.n_heads),
+        full,
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_a_cache_too_small_for_the_examples_runs_each_clean_pass_once_per_call(
+    planted, planted_data, monkeypatch
+):
+    """With room for one example's clean pass, a call that repeats the events once per head set
+    (events of 24 examples, 3 sets) still runs each example's pass once, not once per set, and
+    gives the margins of an engine that keeps every pass."""
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    masks = torch.zeros(3, bridge.cfg.n_layers, bridge.cfg.n_heads, dtype=torch.bool)
+    masks[1, 0, 0] = masks[2, 1, :2] = True
+    roomy = InterventionEngine(bridge)
+    expected = roomy.set_margins(batch, means, masks)
+    tight = InterventionEngine(bridge, cache_bytes=1, chunk=16)  # several chunks per call
+    tight.check(batch)
+    tight.clear()
+    passes = []
+    original = InterventionEngine._clean_pass
+    monkeypatch.setattr(
+        InterventionEngine,
+        "_clean_pass",
+        lambda self, tokens, positions: passes.append(1) or original(self, tokens, positions),
+    )
+    torch.testing.assert_close(tight.set_margins(batch, means, masks), expected, atol=1e-5, rtol=0)
+    n_examples = len({e.example_id for e in batch.events})
+    assert len(passes) == n_examples
+    # the sweep's per-layer calls and the attribution alike: once per example per call
+    passes.clear()
+    tight.clear()
+    tight.layer_sweep(batch, means, 1, [0, 1, 2])
+    assert len(passes) == n_examples
 
 
 def test_a_hook_the_engine_cannot_apply_runs_on_the_full_forward_with_a_warning(

@@ -67,6 +67,8 @@ class EventModel(Protocol):
 
     def sweep_groups(self, heads: Sequence[Head]) -> list[list[Head]]: ...
 
+    def sweep_blocks(self, batch: EventBatch) -> list[Int[Tensor, "row"]]: ...
+
     def sweep_heads(
         self, batch: EventBatch, means: HeadMeans, heads: Sequence[Head]
     ) -> Float[Tensor, "head event"]: ...
@@ -125,6 +127,9 @@ class FullForward(StandsIn):
 
     def sweep_groups(self, heads):
         return [[head] for head in heads]  # one forward per head
+
+    def sweep_blocks(self, batch):
+        return [torch.arange(len(batch))]  # nothing kept between forwards: one block
 
     def sweep_heads(self, batch, means, heads):
         return torch.stack(

@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 
 import einops
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache, PreTrainedModel
@@ -524,11 +524,9 @@ class InterventionEngine(StandsIn):
         n = len(batch)
         row_heads = torch.tensor(list(heads)).repeat_interleave(n)
 
-        def hooks_for(view: EventBatch, rows: range) -> list[HookPair]:
+        def hooks_for(view: EventBatch, rows: Tensor) -> list[HookPair]:
             classes = event_position_classes(view, means.class_names)
-            return row_head_ablation_hooks(
-                self, layer, row_heads[rows.start : rows.stop], means, classes
-            )
+            return row_head_ablation_hooks(self, layer, row_heads[rows], means, classes)
 
         repeated = batch.select(torch.arange(n).repeat(len(heads)))
         return self._chunked_margins(repeated, hooks_for).view(len(heads), n)
@@ -536,24 +534,33 @@ class InterventionEngine(StandsIn):
     def _chunked_margins(
         self,
         batch: EventBatch,
-        hooks_for: Callable[[EventBatch, range], Sequence[HookPair]],
+        hooks_for: Callable[[EventBatch, Tensor], Sequence[HookPair]],
         chunk: int | None = None,
         grad: bool = False,
     ) -> Float[Tensor, "event"]:
         """Margins over `batch` in chunks of rows, `hooks_for(view, rows)` building each chunk's
-        hooks; each chunk is recomputed from its first hooked layer (no hooks: the last layer,
-        which gives the clean margin). With `grad`, the margins keep their autograd graph (to
-        whatever the hooks read that requires grad)."""
+        hooks (`rows`: the chunk's row indices into `batch`); each chunk is recomputed from its
+        first hooked layer (no hooks: the last layer, which gives the clean margin). With `grad`,
+        the margins keep their autograd graph (to whatever the hooks read that requires grad).
+
+        Rows are taken example by example (:func:`example_major`), so each example's clean pass
+        is run once per call even when the cache cannot hold every example: callers repeat the
+        events once per head or head set, and chunks in that order would cycle through all the
+        examples each time, evicting every pass before its next use."""
+        order = example_major(batch)
         margins = []
         with torch.enable_grad() if grad else torch.no_grad():
-            for rows in row_chunks(len(batch), chunk or self.chunk):
-                sub = batch.select(list(rows))
+            for span in row_chunks(len(batch), chunk or self.chunk):
+                rows = order[span.start : span.stop]
+                sub = batch.select(rows)
                 view = event_view(sub)
                 layer_hooks = self._layer_hooks(hooks_for(view, rows))
                 start = min(layer_hooks, default=self.n_layers - 1)
                 logits = self._run(self._groups(sub), len(sub), start, layer_hooks).float()
                 margins.append(row_margins(logits, view))
-        return torch.cat(margins) if margins else torch.empty(0)
+        if not margins:
+            return torch.empty(0)
+        return torch.cat(margins)[torch.argsort(order)]  # back to the batch's order
 
     def residuals(
         self,
@@ -618,8 +625,10 @@ class InterventionEngine(StandsIn):
         one single-position recomputation through every layer with a backward pass."""
         scores = torch.empty(len(batch), self.n_layers, self.n_heads)
         class_index = torch.tensor([means.class_index(kind) for kind in batch.kinds])
-        for rows in row_chunks(len(batch), self.chunk):
-            sub = batch.select(list(rows))
+        order = example_major(batch)  # each example's clean pass once, as in _chunked_margins
+        for span in row_chunks(len(batch), self.chunk):
+            rows = order[span.start : span.stop]
+            sub = batch.select(rows)
             groups = self._groups(sub)
             dtype, device = groups[0][0].z.dtype, groups[0][0].z.device
             leaves = {
@@ -634,13 +643,9 @@ class InterventionEngine(StandsIn):
                     row_margins(logits, event_view(sub)).sum(), list(leaves.values())
                 )
             act = self.event_z(sub)
-            mean = einops.rearrange(
-                means.means[class_index[rows.start : rows.stop]].float(), "n l h d -> l n h d"
-            )
+            mean = einops.rearrange(means.means[class_index[rows]].float(), "n l h d -> l n h d")
             grad = torch.stack(grads).float().cpu()
-            scores[rows.start : rows.stop] = einops.einsum(
-                grad, act - mean, "l n h d, l n h d -> n l h"
-            )
+            scores[rows] = einops.einsum(grad, act - mean, "l n h d, l n h d -> n l h")
         return scores
 
     def set_margins(self, batch: EventBatch, means, masks: Tensor) -> Float[Tensor, "set event"]:
@@ -649,9 +654,9 @@ class InterventionEngine(StandsIn):
         n = len(batch)
         row_masks = masks.repeat_interleave(n, dim=0)
 
-        def hooks_for(view: EventBatch, rows: range) -> list[HookPair]:
+        def hooks_for(view: EventBatch, rows: Tensor) -> list[HookPair]:
             classes = event_position_classes(view, means.class_names)
-            return row_set_ablation_hooks(self, row_masks[rows.start : rows.stop], means, classes)
+            return row_set_ablation_hooks(self, row_masks[rows], means, classes)
 
         repeated = batch.select(torch.arange(n).repeat(len(masks)))
         return self._chunked_margins(repeated, hooks_for).view(len(masks), n)
@@ -662,6 +667,32 @@ class InterventionEngine(StandsIn):
         for head in heads:
             by_layer.setdefault(head[0], []).append(head)
         return list(by_layer.values())
+
+    def sweep_blocks(self, batch: EventBatch) -> list[Int[Tensor, "row"]]:
+        """`batch`'s rows in blocks of whole examples whose clean passes fit the cache together
+        (estimated from the first example's pass, by context length): a sweep that takes every
+        head group through one block before the next runs each pass once, where going through
+        all events per group would run every pass again for each group once they stop fitting."""
+        order = example_major(batch).tolist()
+        contexts = self._contexts(batch)
+        first = batch.events[order[0]].example_id
+        self.prepare(batch.select([r for r in order if batch.events[r].example_id == first]))
+        sample = self._caches[first]
+        per_token = sample.n_bytes / len(sample.tokens)
+        blocks: list[list[int]] = []
+        used = float("inf")
+        for row in order:
+            example_id = batch.events[row].example_id
+            if blocks and batch.events[blocks[-1][-1]].example_id == example_id:
+                blocks[-1].append(row)
+                continue
+            size = per_token * len(contexts[example_id])
+            if used + size > 0.9 * self.cache_bytes:  # the estimate's margin
+                blocks.append([])
+                used = 0.0
+            blocks[-1].append(row)
+            used += size
+        return [torch.tensor(rows) for rows in blocks]
 
     def sweep_heads(
         self, batch: EventBatch, means, heads: Sequence[Head]
@@ -725,6 +756,16 @@ class InterventionEngine(StandsIn):
                 span = min(keys.shape[1], width)
                 out[rows, :, :span] = pattern[..., :span].cpu()
         return out
+
+
+def example_major(batch: EventBatch) -> Int[Tensor, "event"]:
+    """The row order that takes `batch`'s examples one after another (in the order each first
+    appears), keeping each example's rows in their order."""
+    first: dict[int, int] = {}
+    for event in batch.events:
+        first.setdefault(event.example_id, len(first))
+    keys = torch.tensor([first[e.example_id] for e in batch.events], dtype=torch.long)
+    return torch.sort(keys, stable=True).indices
 
 
 def event_view(batch: EventBatch) -> EventBatch:

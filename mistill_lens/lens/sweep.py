@@ -6,6 +6,7 @@ stopped (heads already in the file are not re-run, after checking the file belon
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -50,14 +51,17 @@ SWEEP_COLUMNS = [
 ]
 
 
-def _sweep_rows(batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor) -> pd.DataFrame:
+def _sweep_rows(
+    batch: EventBatch, head: Head, clean: Tensor, ablated: Tensor, rows: Tensor
+) -> pd.DataFrame:
+    """One head's rows for `batch`, the events at `rows` of the swept batch."""
     effect = clean - ablated
     fraction = torch.where(
         clean > 0, effect / clean.where(clean > 0, torch.ones_like(clean)), torch.nan
     )
     return pd.DataFrame(
         {
-            "event_row": range(len(batch)),
+            "event_row": rows.tolist(),
             "example_id": [e.example_id for e in batch.events],
             "kind": batch.kinds,
             "position": [e.position for e in batch.events],
@@ -101,8 +105,10 @@ def ablation_sweep(
     """Exact single-head mean-ablation effect of every head on every event (columns SWEEP_COLUMNS).
 
     `effect` = clean margin - ablated margin (logits); `fraction_lost` = effect / clean margin
-    (NaN where the clean margin is not positive). With `out_path` (CSV) the table is appended after
-    each head and a rerun skips heads already there. The table's fingerprint (model weights,
+    (NaN where the clean margin is not positive). The sweep takes every head through one block of
+    examples at a time (the backend's `sweep_blocks`: on the engine, as many as its cache holds).
+    With `out_path` (CSV) the table is appended after each head's block and a rerun computes only
+    the (head, event) rows missing there (a line cut short by a kill is dropped). The table's fingerprint (model weights,
     events, reference means, format; `sweep_fingerprint`) is stored beside it: a table computed
     from other inputs is never resumed. `stale="error"` then raises `StaleResultError` naming the
     inputs that changed; `stale="recompute"` discards the table (with a warning) and starts again.
@@ -129,34 +135,33 @@ def ablation_sweep(
                     ) from err
                 warnings.warn(f"{err}: recomputed", StaleResultWarning, stacklevel=2)
         write_fingerprint(out_path, fingerprint)
-    finished = {
-        (int(l), int(h))
-        for (l, h), rows in done.groupby(["layer", "head"])
-        if len(rows) == len(batch)
-    }
-    done = done.loc[
-        pd.Series(
-            [(int(l), int(h)) in finished for l, h in zip(done["layer"], done["head"])],
-            index=done.index,
-            dtype=bool,
-        )
-    ]
+    done = done.drop_duplicates(["layer", "head", "event_row"])
     if out_path is not None:
-        done.to_csv(
-            out_path, index=False
-        )  # drop any partial head (or a stale table) before appending
+        done.to_csv(out_path, index=False)  # a stale table's rows gone before appending
+    have = set(
+        zip(
+            done["layer"].astype(int).tolist(),
+            done["head"].astype(int).tolist(),
+            done["event_row"].astype(int).tolist(),
+        )
+    )
     frames = [done]
-    todo = [h for h in heads if h not in finished]
     backend = backend_for(model, batch_size)
-    with tqdm(total=len(todo), desc="ablation sweep", disable=not progress) as bar:
-        for group in backend.sweep_groups(todo):
-            ablated = backend.sweep_heads(batch, means, group)
-            for head, margins in zip(group, ablated):
-                rows = _sweep_rows(batch, head, clean, margins)
-                if out_path is not None:
-                    rows.to_csv(out_path, mode="a", header=False, index=False)
-                frames.append(rows)
-                bar.update(1)
+    blocks = backend.sweep_blocks(batch)
+    with tqdm(total=len(heads) * len(blocks), desc="ablation sweep", disable=not progress) as bar:
+        for rows in blocks:  # every head through one block of examples, then the next
+            todo = [h for h in heads if any((*h, int(r)) not in have for r in rows)]
+            bar.update(len(heads) - len(todo))
+            sub = batch.select(rows)
+            for group in backend.sweep_groups(todo):
+                ablated = backend.sweep_heads(sub, means, group)
+                for head, margins in zip(group, ablated):
+                    new = _sweep_rows(sub, head, clean[rows], margins, rows)
+                    new = new[[(*head, r) not in have for r in new["event_row"]]]
+                    if out_path is not None:
+                        new.to_csv(out_path, mode="a", header=False, index=False)
+                    frames.append(new)
+                    bar.update(1)
     table = pd.concat([f for f in frames if len(f)], ignore_index=True)
     table = table.sort_values(["layer", "head", "event_row"], ignore_index=True)
     if out_path is not None:  # finished: the table in its final order, written by its owner once
@@ -164,14 +169,19 @@ def ablation_sweep(
     return table
 
 
-def read_table(path: str | Path) -> pd.DataFrame:
+def read_table(path: str | Path | io.StringIO) -> pd.DataFrame:
     """A table this toolkit wrote, read back as written: only an empty field is missing (pandas
     would otherwise read the null event kind, "null", as NaN)."""
     return pd.read_csv(path, keep_default_na=False, na_values=[""])
 
 
 def _read_table(path: Path) -> pd.DataFrame:
-    done = read_table(path)
+    text = path.read_text()
+    if text and not text.endswith("\n"):  # killed mid-line: that row is not trusted
+        text = text[: text.rfind("\n") + 1]
+    if not text:
+        return pd.DataFrame(columns=SWEEP_COLUMNS)
+    done = read_table(io.StringIO(text))
     if list(done.columns) != SWEEP_COLUMNS:
         raise StaleResultError(
             f"sweep table {path} has columns {list(done.columns)}, expected {SWEEP_COLUMNS}"
