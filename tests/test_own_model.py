@@ -137,6 +137,7 @@ def test_a_pretrained_base_without_your_examples_is_refused_before_any_folder(tm
 
 
 def test_a_k_beyond_the_models_context_is_refused_before_any_folder(tmp_path):
+    from mistill_lens.lens.events import events_from_spans
     from mistill_lens.models.checkpoints import load_model
     from mistill_lens.task.characterize import largest_fitting_k, longest_example
     from mistill_lens.task.examples import generate_examples
@@ -164,3 +165,7 @@ def test_a_k_beyond_the_models_context_is_refused_before_any_folder(tmp_path):
         for k in (fitting, fitting + 1)
     }
     assert longest[fitting] <= bridge.cfg.n_ctx < longest[fitting + 1]  # the largest that fits
+    # the count is the characterisation's own: the examples' tokens with their events placed
+    examples = generate_examples(4, 0, "heldout", **{**task, "k": fitting})
+    placed = max(len(events_from_spans(e, tokenizer, i).tokens) for i, e in enumerate(examples))
+    assert longest[fitting] == placed
