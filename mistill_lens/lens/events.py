@@ -112,17 +112,15 @@ def _encode(tokenizer: Tokenizer, text: str) -> tuple[list[int], list[tuple[int,
 
 
 def _departure_token(
-    tokenizer: Tokenizer, text: str, start: int, chosen: str, contrast: str
-) -> tuple[int, list[int], int]:
-    """Index of the first token where `text[:start] + chosen` and `... + contrast` differ, the chosen
-    side's tokens, and the contrast token there. Why this way: it is where the model decides, in any
-    tokenizer (a region that is one token for the teacher may be three for a student, and only the
-    last of them may differ)."""
-    chosen_ids, _ = _encode(tokenizer, text[:start] + chosen)
-    contrast_ids, _ = _encode(tokenizer, text[:start] + contrast)
+    chosen_ids: Sequence[int], contrast_ids: Sequence[int], chosen: str, contrast: str
+) -> tuple[int, int]:
+    """Index of the first token where `prefix + chosen` and `prefix + contrast` (their tokens
+    given) differ, and the contrast token there. Why this way: it is where the model decides, in
+    any tokenizer (a region that is one token for the teacher may be three for a student, and only
+    the last of them may differ)."""
     for index, (a, b) in enumerate(zip(chosen_ids, contrast_ids)):
         if a != b:
-            return index, chosen_ids, b
+            return index, b
     raise ValueError(
         f"chosen {chosen!r} and contrast {contrast!r} tokenize identically after the prefix: no decision to score"
     )
@@ -160,7 +158,8 @@ def events_from_spans(example: Any, tokenizer: Tokenizer, example_id: int) -> En
             raise ValueError(
                 f"event span [{start}, {end}) does not hold its chosen text {chosen!r} in example {example_id}"
             )
-        listed = _rival(tokenizer, text, tokens, start, chosen, contrast, example_id)
+        chosen_ids, contrast_ids = _prefixed_ids(tokenizer, text[:start], [chosen, contrast])
+        listed = _rival(text, tokens, start, chosen, contrast, example_id, chosen_ids, contrast_ids)
         named = _optional(gold, "rivals", None)
         events.append(
             DecisionEvent(
@@ -177,24 +176,26 @@ def events_from_spans(example: Any, tokenizer: Tokenizer, example_id: int) -> En
                 region=str(_optional(gold, "region", "")),
                 rivals=None
                 if named is None
-                else _rivals(tokenizer, text, tokens, start, chosen, named, example_id),
+                else _rivals(tokenizer, text, tokens, start, chosen, named, example_id, chosen_ids),
             )
         )
     return EncodedExample(example_id, text, len(prompt), tokens, offsets, events)
 
 
 def _rival(
-    tokenizer: Tokenizer,
     text: str,
     tokens: list[int],
     start: int,
     chosen: str,
     contrast: str,
     example_id: int,
+    chosen_ids: list[int],
+    contrast_ids: list[int],
 ) -> Rival:
-    """`contrast` placed against `chosen` at character `start`: a ValueError where no token can
-    decide between them (the same tokens, a merge across the span's boundary, the first token)."""
-    index, chosen_ids, contrast_token = _departure_token(tokenizer, text, start, chosen, contrast)
+    """`contrast` placed against `chosen` at character `start` (`chosen_ids` / `contrast_ids`:
+    the tokens of `text[:start]` followed by each): a ValueError where no token can decide between
+    them (the same tokens, a merge across the span's boundary, the first token)."""
+    index, contrast_token = _departure_token(chosen_ids, contrast_ids, chosen, contrast)
     if tokens[: index + 1] != chosen_ids[: index + 1]:
         raise ValueError(
             f"event {chosen!r} at char {start} does not tokenize the same inside the full text "
@@ -207,6 +208,14 @@ def _rival(
     return Rival(index, chosen_ids[index], contrast_token, contrast)
 
 
+def _prefixed_ids(tokenizer: Tokenizer, prefix: str, endings: Sequence[str]) -> list[list[int]]:
+    """The tokens of `prefix + ending` for each ending, in one batched call (an event's prefix
+    is thousands of characters and the ICD task names ~20 rivals per region event)."""
+    if not endings:
+        return []
+    return [list(ids) for ids in tokenizer([prefix + e for e in endings])["input_ids"]]
+
+
 def _rivals(
     tokenizer: Tokenizer,
     text: str,
@@ -215,6 +224,7 @@ def _rivals(
     chosen: str,
     named: Sequence[str],
     example_id: int,
+    chosen_ids: list[int],
 ) -> tuple[Rival, ...]:
     """The named rivals that a token can decide against on this tokenizer, one per (position,
     token). A rival that cannot be told apart at any token of the chosen span (".1" against ".11":
@@ -222,11 +232,13 @@ def _rivals(
     if isinstance(named, str) or not all(isinstance(r, str) for r in named):
         raise ValueError(f"rivals must be a list of texts, got {named!r}")
     placed: dict[tuple[int, int], Rival] = {}
-    for contrast in named:
-        if contrast == chosen:
-            raise ValueError(f"rival {contrast!r} is the event's chosen text")
+    if chosen in named:
+        raise ValueError(f"rival {chosen!r} is the event's chosen text")
+    for contrast, contrast_ids in zip(named, _prefixed_ids(tokenizer, text[:start], named)):
         try:
-            rival = _rival(tokenizer, text, tokens, start, chosen, contrast, example_id)
+            rival = _rival(
+                text, tokens, start, chosen, contrast, example_id, chosen_ids, contrast_ids
+            )
         except ValueError:
             continue
         placed.setdefault((rival.position, rival.contrast_token), rival)
