@@ -245,6 +245,39 @@ def test_a_cache_too_small_for_the_examples_runs_each_clean_pass_once_per_call(
     assert len(passes) == n_examples
 
 
+def test_reading_every_example_keeps_no_more_passes_alive_than_the_cache(
+    planted, planted_data, monkeypatch
+):
+    """The means, knock-in sources and attention rows read every example's clean pass: with room
+    for one pass, no earlier pass may still be alive when the next is made (a list of every
+    example's pass, held to the end of the call, made the n = 150 means hold ~8 GB), and the
+    results equal those of an engine that keeps every pass."""
+    import weakref
+
+    bridge, _ = planted
+    batch, means = planted_data["batch"], planted_data["means"]
+    roomy = InterventionEngine(bridge)
+    expected_z, expected_rows = roomy.event_z(batch), roomy.event_patterns(batch, 1)
+    tight = InterventionEngine(bridge, cache_bytes=1)
+    tight.check(batch)
+    tight.clear()
+    made, alive_at_make = [], []
+    original = InterventionEngine._clean_pass
+
+    def counted(self, tokens, positions):
+        alive_at_make.append(sum(ref() is not None for ref in made))
+        cache = original(self, tokens, positions)
+        made.append(weakref.ref(cache))
+        return cache
+
+    monkeypatch.setattr(InterventionEngine, "_clean_pass", counted)
+    torch.testing.assert_close(tight.event_z(batch), expected_z, atol=1e-6, rtol=0)
+    torch.testing.assert_close(tight.event_patterns(batch, 1), expected_rows, atol=1e-6, rtol=0)
+    tight.head_means(batch, means.class_names)
+    tight.prepare(batch)
+    assert len(made) > 24 and max(alive_at_make) <= 1
+
+
 def test_a_hook_the_engine_cannot_apply_runs_on_the_full_forward_with_a_warning(
     planted, planted_data
 ):

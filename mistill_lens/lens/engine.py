@@ -36,7 +36,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import einops
 import torch
@@ -245,7 +245,7 @@ class InterventionEngine(StandsIn):
         finally:
             for handle in handles:
                 handle.remove()
-        keys, values = _one_block(*_cache_tensors(out.past_key_values, self.n_layers))
+        keys, values = _cache_tensors(out.past_key_values, self.n_layers)
         resid = torch.stack([resid_at[layer] for layer in range(self.n_layers)])
         z = torch.stack(
             [
@@ -278,7 +278,16 @@ class InterventionEngine(StandsIn):
 
     def prepare(self, batch: EventBatch) -> None:
         """Run (or reuse) the clean pass of every example in `batch`."""
-        self._groups(batch)
+        for rows in example_runs(batch):
+            self._groups(batch.select(rows))
+
+    def _each_example(self, batch: EventBatch) -> Iterator[tuple[_ExampleCache, Tensor, Tensor]]:
+        """(clean pass, rows of `batch`, their slots in the pass) for one example at a time.
+        Why not :meth:`_groups` of the whole batch: its list holds every example's pass until
+        the caller is done, past the cache's bound (at n = 150 the means alone held ~8 GB)."""
+        for rows in example_runs(batch):
+            for cache, sub_rows, slots in self._groups(batch.select(rows)):
+                yield cache, rows[sub_rows], slots
 
     def clear(self) -> None:
         self._caches.clear()
@@ -615,7 +624,7 @@ class InterventionEngine(StandsIn):
     def event_z(self, batch: EventBatch) -> Float[Tensor, "layer event head d_head"]:
         """Clean hook_z at each event's predicting position (knock-in sources), float32."""
         out = torch.empty(self.n_layers, len(batch), self.n_heads, self.adapter.d_head)
-        for cache, rows, slots in self._groups(batch):
+        for cache, rows, slots in self._each_example(batch):
             out[:, rows] = cache.z[:, slots].float().cpu()
         return out
 
@@ -745,7 +754,7 @@ class InterventionEngine(StandsIn):
         out = torch.zeros(len(batch), self.n_heads, width)
         adapter = self.adapter
         with torch.no_grad():
-            for cache, rows, slots in self._groups(batch):
+            for cache, rows, slots in self._each_example(batch):
                 positions = torch.tensor(cache.positions)[slots]
                 q, _, _ = adapter.qkv(layer, cache.resid[layer, slots], positions)
                 keys = cache.keys[layer]
@@ -766,6 +775,16 @@ def example_major(batch: EventBatch) -> Int[Tensor, "event"]:
         first.setdefault(event.example_id, len(first))
     keys = torch.tensor([first[e.example_id] for e in batch.events], dtype=torch.long)
     return torch.sort(keys, stable=True).indices
+
+
+def example_runs(batch: EventBatch) -> list[Int[Tensor, "row"]]:
+    """`batch`'s rows example by example (:func:`example_major` order), one tensor per example."""
+    if len(batch) == 0:
+        return []
+    order = example_major(batch)
+    ids = torch.tensor([batch.events[i].example_id for i in order.tolist()], dtype=torch.long)
+    _, counts = torch.unique_consecutive(ids, return_counts=True)
+    return list(torch.split(order, counts.tolist()))
 
 
 def event_view(batch: EventBatch) -> EventBatch:
@@ -799,19 +818,6 @@ def _zero_heads_hooks(batch: EventBatch, heads: list) -> list[tuple[str, Callabl
         return fn
 
     return [(z_hook_name(layer), zero(hs)) for layer, hs in sorted(by_layer.items())]
-
-
-def _one_block(keys: list[Tensor], values: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """The keys and values as views of one buffer. Why: a kept pass lives on while many forwards
-    come and go; as 2 x layers tensors of ~1 MB each, allocated among the forward's transients, its
-    pieces can pin the allocator's heap after eviction, while one buffer of tens of MB is mapped on
-    its own and returned whole when evicted (a run at n = 150 with a 4 GiB cache reached 10 GB
-    resident before this; whether this was the cause is to be measured). Layers of different
-    shapes are kept as they are."""
-    if len({(t.shape, t.dtype) for t in [*keys, *values]}) != 1:
-        return keys, values
-    buffer = torch.stack([*keys, *values])
-    return list(buffer[: len(keys)]), list(buffer[len(keys) :])
 
 
 def _cache_tensors(cache, n_layers: int) -> tuple[list[Tensor], list[Tensor]]:
