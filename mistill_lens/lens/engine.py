@@ -682,26 +682,21 @@ class InterventionEngine(StandsIn):
         (estimated from the first example's pass, by context length): a sweep that takes every
         head group through one block before the next runs each pass once, where going through
         all events per group would run every pass again for each group once they stop fitting."""
-        order = example_major(batch).tolist()
+        runs = example_runs(batch)
         contexts = self._contexts(batch)
-        first = batch.events[order[0]].example_id
-        self.prepare(batch.select([r for r in order if batch.events[r].example_id == first]))
-        sample = self._caches[first]
+        self.prepare(batch.select(runs[0]))
+        sample = self._caches[batch.events[int(runs[0][0])].example_id]
         per_token = sample.n_bytes / len(sample.tokens)
-        blocks: list[list[int]] = []
+        blocks: list[list[Tensor]] = []
         used = float("inf")
-        for row in order:
-            example_id = batch.events[row].example_id
-            if blocks and batch.events[blocks[-1][-1]].example_id == example_id:
-                blocks[-1].append(row)
-                continue
-            size = per_token * len(contexts[example_id])
+        for rows in runs:
+            size = per_token * len(contexts[batch.events[int(rows[0])].example_id])
             if used + size > 0.9 * self.cache_bytes:  # the estimate's margin
                 blocks.append([])
                 used = 0.0
-            blocks[-1].append(row)
+            blocks[-1].append(rows)
             used += size
-        return [torch.tensor(rows) for rows in blocks]
+        return [torch.cat(block) for block in blocks]
 
     def sweep_heads(
         self, batch: EventBatch, means, heads: Sequence[Head]
