@@ -35,15 +35,16 @@ from mistill_lens.distill.evaluation import (
     evaluate_run,
     median_recovery,
 )
+from mistill_lens.distill.mention_pairs import mention_comparison
 from mistill_lens.distill.report import (
     load_evaluations,
     paired_comparison,
     passes_gate,
-    sign_flip_p_value,
     summarise,
     training_curve,
     write_report,
 )
+from mistill_lens.distill.significance import sign_flip_p_value
 from mistill_lens.distill.training import (
     DistillConfig,
     distill,
@@ -730,6 +731,53 @@ def test_paired_comparison_pairs_objectives_by_seed():
         0.25
     )
     assert paired.loc["code_f1"].mistill_higher == 0 and paired.loc["code_f1"].p_value == 1.0
+
+
+def _mentions(near_miss_by_example, region=1):
+    return [
+        {"example": e, "mention": j, "region": region, "near_miss": v}
+        for e, values in enumerate(near_miss_by_example)
+        for j, v in enumerate(values)
+    ]
+
+
+def test_mention_comparison_tests_the_arms_on_the_same_mentions_clustered_by_example():
+    def row(objective, seed, near_miss, eval_seed=0):
+        return {
+            "family": "smollm2",
+            "precision": "fp32-master",
+            "objective": objective,
+            "seed": seed,
+            "run": f"{objective}-{seed}",
+            "n_eval": 3,
+            "eval_seed": eval_seed,
+            "per_mention": _mentions(near_miss),
+        }
+
+    cot, mistill = [[1, 0], [1], [0, 0]], [[1, 1], [1], [1, 1]]  # per example: +1, 0, +2
+    frame = pd.DataFrame(
+        [
+            row("cot", 0, cot),
+            row("mistill", 0, mistill),
+            row("cot", 1, cot),
+            row("mistill", 1, mistill),
+        ]
+    )
+    table = mention_comparison(frame).set_index(["seed", "outcome"])
+    one = table.loc[(0, "near_miss")]
+    assert (one.n_examples, one.n_mentions, one.mistill_only, one.cot_only) == (3, 5, 3, 0)
+    assert one.cot_acc == pytest.approx(0.4) and one.difference == pytest.approx(0.6)
+    # the units are the examples (+1, 0, +2): half of the 8 sign patterns reach |3|
+    assert one.p_value == pytest.approx(0.5)
+    # pooled over both seeds (+1, 0, +2 twice): only the 8 of 64 with the four non-zero signs equal
+    assert table.loc[("all", "near_miss")].p_value == pytest.approx(8 / 64)
+    assert table.loc[(0, "region")].difference == 0 and table.loc[(0, "region")].p_value == 1.0
+    # arms decoded on other prompts are not a pair
+    frame.loc[3, "eval_seed"] = 5
+    with pytest.raises(ValueError, match="different held-out prompts"):
+        mention_comparison(frame)
+    # runs evaluated before mentions were recorded: nothing to compare
+    assert mention_comparison(frame.drop(columns=["per_mention"])).empty
 
 
 def test_the_gate_marks_cells_whose_cot_runs_cannot_do_the_task_and_pairs_must_match():

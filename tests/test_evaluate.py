@@ -52,6 +52,14 @@ def test_a_wrong_sibling_costs_f1_and_near_miss_but_not_region(examples):
     )
     assert result["region_acc"] == 1.0
     assert result["code_precision"] < 1.0 and result["code_recall"] < 1.0
+    # mention by mention: exactly each example's first mention misses its near-miss
+    assert [(m["example"], m["mention"]) for m in result["per_mention"]] == [
+        (i, j) for i, ex in enumerate(examples) for j in range(len(ex.mentions))
+    ]
+    assert [m["near_miss"] for m in result["per_mention"]] == [
+        int(j > 0) for ex in examples for j in range(len(ex.mentions))
+    ]
+    assert all(m["region"] == 1 for m in result["per_mention"])
 
 
 def test_naming_a_candidate_that_is_not_a_near_miss_fails_near_miss_acc(examples):

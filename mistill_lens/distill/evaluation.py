@@ -187,7 +187,11 @@ def evaluate_run(
     result = {
         "run": str(run_dir),
         **{k: scores[k] for k in ("code_f1", "near_miss_acc", "region_acc", "exact_match")},
+        # each mention's outcomes, for a comparison of two runs mention by mention (older
+        # evaluate records lack them)
+        **({"per_mention": scores["per_mention"]} if "per_mention" in scores else {}),
         "n_eval": n_eval,
+        "eval_seed": seed,
         "n_characterize": n_characterize,
         "z_min": config.z_min,
     }

@@ -15,6 +15,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
+from mistill_lens.distill.mention_pairs import mention_comparison
+from mistill_lens.distill.significance import sign_flip_p_value
 from mistill_lens.lens.plot import write_figure
 from mistill_lens.runs import claim_run_dir, legacy_run
 from mistill_lens.training.checkpoint_state import TRAINING_STATE_FILE
@@ -151,25 +153,6 @@ def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-EXACT_PAIRS_MAX = 16  # up to 2^16 sign patterns enumerated; beyond, a seeded Monte Carlo sample
-MONTE_CARLO_FLIPS = 100_000
-
-
-def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
-    """Two-sided p-value of a paired sign-flip permutation test of mean difference 0: the share of
-    sign patterns whose |sum| is at least the observed one (exact for few pairs)."""
-    d = np.asarray(differences, dtype=float)
-    if d.size == 0 or np.isnan(d).any():
-        raise ValueError(
-            f"paired differences must be a non-empty list of numbers, got {list(differences)}"
-        )
-    if d.size <= EXACT_PAIRS_MAX:
-        signs = 1 - 2 * ((np.arange(2**d.size)[:, None] >> np.arange(d.size)) & 1)
-    else:
-        signs = np.random.default_rng(seed).choice([-1, 1], size=(MONTE_CARLO_FLIPS, d.size))
-    return float(np.mean(np.abs(signs @ d) >= abs(d.sum()) - 1e-12))
-
-
 def paired_comparison(frame: pd.DataFrame) -> pd.DataFrame:
     """Per family x precision x metric: MISTILL minus CoT over the seeds both objectives ran, with
     how many seeds MISTILL is higher and the sign-flip p-value."""
@@ -287,8 +270,9 @@ def report_figure(table: pd.DataFrame) -> go.Figure:
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
-    """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md``, ``figure.html`` and, where
-    the runs' training logs are at hand, ``training_curves.html``; returns the JSON summary."""
+    """Write ``runs.csv``, ``table.csv``, ``paired.csv``, ``table.md``, ``figure.html``, where the
+    runs recorded their mentions ``mentions.csv`` (`mention_comparison`) and, where the runs'
+    training logs are at hand, ``training_curves.html``; returns the JSON summary."""
     out_dir = claim_run_dir(
         out_dir,
         "distill-report",
@@ -305,17 +289,26 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
         ),
     )
     frame = load_evaluations(run_dirs)
-    frame.to_csv(out_dir / "runs.csv", index=False)
+    frame.drop(columns=["per_mention"], errors="ignore").to_csv(out_dir / "runs.csv", index=False)
     table = summarise(frame)
     table.to_csv(out_dir / "table.csv", index=False)
     paired = paired_comparison(frame)
     paired.to_csv(out_dir / "paired.csv", index=False)
+    mentions = mention_comparison(frame)
+    if len(mentions):
+        mentions.to_csv(out_dir / "mentions.csv", index=False)
     (out_dir / "table.md").write_text(
         markdown_table(table)
         + (
             "\nMISTILL vs CoT, paired by seed (sign-flip permutation p-value):\n\n"
             + markdown_table(paired)
             if len(paired)
+            else ""
+        )
+        + (
+            "\nMISTILL vs CoT within a seed, on the same held-out mentions (sign-flip p-value "
+            "over examples; pooled: over every seed's examples):\n\n" + markdown_table(mentions)
+            if len(mentions)
             else ""
         )
     )

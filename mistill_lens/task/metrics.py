@@ -6,6 +6,10 @@ Metrics, per gold mention, read the trace line whose mention text is the gold me
   candidates (sibling or excludes code), rejects it, and then writes the gold code;
 * ``code_f1``: micro F1 of the final ``Codes:`` list against the gold codes, over all examples.
 
+``per_mention`` keeps each mention's two outcomes (example index, mention index, region,
+near-miss: 1 right, 0 wrong), so that two models decoded on the same prompts can be compared
+mention by mention (`mistill_lens.distill.report.mention_comparison`).
+
 ``teacher_forced_events`` scores the decisions one by one instead: with the reference output in
 context, each gold event's token is predicted (argmax) or not, at what loss, and by what margin
 over its contrast. It separates "has not learned to select" from "derails while decoding".
@@ -14,7 +18,7 @@ over its contrast. It separates "has not learned to select" from "derails while 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -38,20 +42,29 @@ class Scores:
     predicted: int = 0
     gold: int = 0
     exact: int = 0
+    per_mention: list[dict] = field(default_factory=list)
 
     def add(self, example: Example, generated: str, universe: Universe) -> None:
         lines, codes = parse_output(generated)
         by_mention = {line.mention: line for line in lines}
         candidates = set(example.candidates)
-        for mention in example.mentions:
+        for index, mention in enumerate(example.mentions):
             line = by_mention.get(mention.text)
             self.mentions += 1
-            if line is None:
-                continue
-            self.region_correct += line.region == mention.code.split(".")[0]
-            valid_near_misses = set(universe.near_misses(mention.code)) & candidates
-            self.near_miss_correct += (
-                line.near_miss in valid_near_misses and line.code == mention.code
+            region = near_miss = False  # a mention without its line is wrong on both
+            if line is not None:
+                region = line.region == mention.code.split(".")[0]
+                valid_near_misses = set(universe.near_misses(mention.code)) & candidates
+                near_miss = line.near_miss in valid_near_misses and line.code == mention.code
+            self.region_correct += region
+            self.near_miss_correct += near_miss
+            self.per_mention.append(
+                {
+                    "example": self.n,
+                    "mention": index,
+                    "region": int(region),
+                    "near_miss": int(near_miss),
+                }
             )
         predicted, gold = set(codes), set(example.gold_codes)
         self.true_positives += len(predicted & gold)
@@ -73,6 +86,7 @@ class Scores:
             "exact_match": round(self.exact / max(1, self.n), 4),
             "mentions": self.mentions,
             "n": self.n,
+            "per_mention": list(self.per_mention),
         }
 
 
