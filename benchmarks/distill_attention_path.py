@@ -49,12 +49,15 @@ def longest_item(family: str):
 
 def pattern_losses(model, bridge, batch, heads):
     from mistill_lens.distill.attention import attention_kl, pattern_recorder, pooled_attention
-    from mistill_lens.models.students import autocast
+    from mistill_lens.models.precision import compute_context, compute_mode
     from mistill_lens.training.loop import output_loss
 
     store = {}
     recorder = pattern_recorder([layer for layer, _ in heads], store)
-    with bridge.hooks(fwd_hooks=recorder), autocast("fp32-master"):
+    with (
+        bridge.hooks(fwd_hooks=recorder),
+        compute_context("cpu", compute_mode("cpu", "fp32-master")),
+    ):
         cot = output_loss(model, batch.ids, batch.attention, batch.targets)
         pooled = pooled_attention(store, heads, batch.query_positions)
     return cot, attention_kl(pooled, batch.attention_targets, batch.event_mask)

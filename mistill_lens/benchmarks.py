@@ -345,7 +345,8 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
     )
     from mistill_lens.lens.adapters import adapter_for
     from mistill_lens.models.checkpoints import load_model
-    from mistill_lens.models.students import autocast, context_length, family_tokenizer
+    from mistill_lens.models.precision import compute_context, compute_mode
+    from mistill_lens.models.students import context_length, family_tokenizer
     from mistill_lens.training.loop import make_optimizer, output_loss
 
     torch.manual_seed(seed)
@@ -380,7 +381,7 @@ def _distill_step_point(mode: str, family: str, steps: int, batch_size: int, see
     for index, batch in enumerate(batches):
         started = time.perf_counter()
         if mode == "cot":  # the plain chain-of-thought step: no hooks, no attention loss
-            with autocast(config.precision):
+            with compute_context("cpu", compute_mode("cpu", config.precision)):
                 loss = output_loss(student, batch.ids, batch.attention, batch.targets)
         else:
             cot, attention = student_losses(student, adapter, batch, heads, config.precision)

@@ -65,6 +65,7 @@ from mistill_lens.models.checkpoints import (
     save_checkpoint,
     to_bridge,
 )
+from mistill_lens.models.precision import compute_mode
 from mistill_lens.models.students import build_student, exportable, family_tokenizer, student_config
 from mistill_lens.models.tokenizers import student_tokenizer, teacher_tokenizer
 from mistill_lens.runs import file_digest
@@ -460,6 +461,16 @@ def test_interrupted_run_resumes_to_identical_weights(teacher, examples, tmp_pat
     assert read_metadata(tmp_path / "interrupted")["step"] == 2
     with pytest.raises(CheckpointError, match="different configuration"):
         run({**config, "lr": 1e-2}, teacher, examples, tmp_path / "interrupted")
+    # nor on a machine that would compute otherwise (bf16 autocast vs float32)
+    here = read_metadata(tmp_path / "interrupted")["compute"]
+    assert here == compute_mode("cpu", "fp32-master")
+    other = "float32" if here == "bf16-autocast" else "bf16-autocast"
+    monkeypatch.setattr(training_module, "compute_mode", lambda *args: other)
+    with pytest.raises(
+        CheckpointError, match=f"computing in {here}, and this machine would go on in {other}"
+    ):
+        run(config, teacher, examples, tmp_path / "interrupted")
+    monkeypatch.undo()
     run(config, teacher, examples, tmp_path / "interrupted")
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "interrupted")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -941,3 +952,34 @@ def test_shipped_base_students_load_as_their_family_with_their_training_record(f
     )
     with pytest.raises(CheckpointError, match="not a"):
         load_base_student(path, "gpt2" if family == "llama" else "llama", torch.float32)
+
+
+def test_the_teachers_circuits_follow_the_chosen_rule_each_cached_apart(tmp_path):
+    """Characterised here (no --teacher-heads), the teacher's head sets are the faithful sets
+    under circuit="faithful", and each rule keeps its own cached folder."""
+    from mistill_lens.distill.teacher import teacher_characterization, teacher_task_config
+    from mistill_lens.lens.results import CharacterizeConfig
+    from mistill_lens.models.checkpoints import load_model, resolve
+
+    teacher_dir = resolve("tiny")
+    model, tokenizer = load_model("tiny")
+    task_config = teacher_task_config(teacher_dir)
+    faithful = CharacterizeConfig(
+        z_min=1.0, circuit="faithful", faithful_pool=4, faithful_random_draws=0, progress=False
+    )
+    found, folder = teacher_characterization(
+        model, tokenizer, teacher_dir, task_config, tmp_path, 4, faithful
+    )
+    assert "faithful4" in folder.name
+    searched = [kind for kind in found.faithful if "heads" in found.faithful[kind]]
+    assert searched, "the search ran on no kind"
+    for kind in searched:
+        assert found.circuits[kind] == [tuple(h) for h in found.faithful[kind]["heads"]]
+    z_found, z_folder = teacher_characterization(
+        model, tokenizer, teacher_dir, task_config, tmp_path, 4, CharacterizeConfig(z_min=1.0)
+    )
+    assert z_folder != folder and "z1" in z_folder.name and not z_found.faithful
+    again, _ = teacher_characterization(  # read back, not run again
+        model, tokenizer, teacher_dir, task_config, tmp_path, 4, faithful
+    )
+    assert again.circuits == found.circuits

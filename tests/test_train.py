@@ -10,6 +10,7 @@ import torch
 import mistill_lens.training.loop as train_module
 from mistill_lens import task
 from mistill_lens.models.checkpoints import CheckpointError, load_hf_model
+from mistill_lens.models.precision import compute_mode
 from mistill_lens.models.tokenizers import teacher_tokenizer
 from mistill_lens.runs import MANIFEST_FILE, file_digest
 from mistill_lens.task.examples import CANDIDATES_HEADER, REASONING_HEADER
@@ -122,18 +123,27 @@ def test_event_weight_changes_training_and_weight_one_is_the_plain_loss(tmp_path
     assert plain["final_loss"] != weighted["final_loss"]
 
 
-def test_fp32_master_trains_under_bf16_autocast_and_old_runs_still_resume(tmp_path):
-    """fp32-master computes the same loss in bf16 (close to fp32's at the same first-step weights,
-    not equal to it), keeps float32 weights, and is recorded; a run saved before the option
-    existed resumes as fp32."""
+def test_fp32_master_trains_under_bf16_autocast_and_old_runs_still_resume(tmp_path, monkeypatch):
+    """fp32-master computes the same loss in bf16 where the CPU has bf16 units (close to fp32's at
+    the same first-step weights, not equal to it) and in float32 where it has not (equal), keeps
+    float32 weights, and records both; a run saved before the option existed resumes as fp32."""
     fp32 = train(replace(TINY, steps=4), tmp_path / "fp32", progress=False)
-    master = train(replace(TINY, steps=4, precision="fp32-master"), tmp_path / "m", progress=False)
+    for units, run in ((True, "m"), (False, "m-no-units")):
+        monkeypatch.setattr(
+            train_module, "compute_mode", lambda d, p, u=units: compute_mode(d, p, bf16_units=u)
+        )
+        master = train(
+            replace(TINY, steps=4, precision="fp32-master"), tmp_path / run, progress=False
+        )
+        assert master["compute_by_step"] == [[0, "bf16-autocast" if units else "float32"]]
+    monkeypatch.undo()
     assert (fp32["precision"], master["precision"]) == ("fp32", "fp32-master")
     first = [
         torch.load(tmp_path / run / TRAINING_STATE_FILE, weights_only=False)["losses"][0]
-        for run in ("fp32", "m")
+        for run in ("fp32", "m", "m-no-units")
     ]
     assert first[0] != first[1] and first[1] == pytest.approx(first[0], rel=0.02)
+    assert first[2] == first[0]
     model, _ = load_hf_model(tmp_path / "m")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     with pytest.raises(ValueError, match="unknown precision 'bf16'"):

@@ -76,6 +76,21 @@ def parse_head_set(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(heads)
 
 
+def _circuit_config(args: argparse.Namespace, z_min: float, progress: bool):
+    """How a characterisation here (the teacher's, a student's after training) picks its
+    circuits: `--circuit` z (heads significant alone at `z_min`) or faithful (the search by joint
+    effect among `--faithful-pool` candidates)."""
+    from mistill_lens.lens.results import CharacterizeConfig
+
+    faithful = args.circuit == "faithful"
+    return CharacterizeConfig(
+        z_min=z_min,
+        progress=progress,
+        circuit=args.circuit,
+        faithful_pool=args.faithful_pool if faithful else None,
+    )
+
+
 def run(args: argparse.Namespace) -> dict:
     from mistill_lens.distill.attention import read_heads_json, teacher_head_sets
     from mistill_lens.distill.data import teacher_traces
@@ -106,8 +121,7 @@ def run(args: argparse.Namespace) -> dict:
             task_config,
             cache,
             args.characterize_n,
-            args.teacher_z_min,
-            progress,
+            _circuit_config(args, args.teacher_z_min, progress),
         )
         circuits = characterization.circuits
     heads_by_kind = teacher_head_sets(circuits)
@@ -158,9 +172,8 @@ def run(args: argparse.Namespace) -> dict:
         for k in ("step", "n_params", "train_time_s", "final_cot_loss", "final_attention_loss")
     }
     if args.n_eval > 0:
-        from mistill_lens.lens.results import CharacterizeConfig
-
         z_min = args.teacher_z_min if args.student_z_min is None else args.student_z_min
+        student_config = _circuit_config(args, z_min, progress)
         previous = out / EVALUATION_FILE
         done = json.loads(previous.read_text()) if previous.is_file() else {}
         if (
@@ -168,14 +181,15 @@ def run(args: argparse.Namespace) -> dict:
             done.get("n_eval"),
             done.get("z_min"),
             done.get("n_characterize"),
-        ) != (metadata["step"], args.n_eval, z_min, args.characterize_n):
+            done.get("circuit", "z"),  # evaluations recorded before the rule was a choice: z
+        ) != (metadata["step"], args.n_eval, z_min, args.characterize_n, args.circuit):
             done = evaluate_run(
                 out,
                 task_config,
                 n_eval=args.n_eval,
                 n_characterize=args.characterize_n,
                 progress=progress,
-                characterize_config=CharacterizeConfig(z_min=z_min, progress=progress),
+                characterize_config=student_config,
             )
         result.update(
             {
@@ -301,6 +315,22 @@ def add_parser(sub) -> None:
         type=float,
         default=3.0,
         help="calibrated z a teacher head needs to join its circuit, when characterising it here",
+    )
+    parser.add_argument(
+        "--circuit",
+        choices=("z", "faithful"),
+        default="z",
+        help="how the teacher's circuits (when characterised here: MISTILL's head sets) and the "
+        "student's found circuit (its recovery) are chosen: heads significant alone at the z "
+        "thresholds (default), or the smallest sets by joint effect (the faithfulness search)",
+    )
+    parser.add_argument(
+        "--faithful-pool",
+        type=POSITIVE_INT,
+        default=40,
+        metavar="N",
+        help="with --circuit faithful: candidate heads per kind, those with the largest "
+        "single-head effects (default 40)",
     )
     parser.add_argument(
         "--student-z-min",

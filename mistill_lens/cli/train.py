@@ -110,8 +110,9 @@ def add_parser(sub) -> None:
         choices=TRAIN_PRECISIONS,
         default="fp32",
         help="on a CPU: fp32 throughout, or fp32-master (fp32 weights and optimizer, forward and "
-        "backward under bf16 autocast: ~1.5x faster per step where the CPU has bf16 units); a GPU "
-        "always uses bf16 autocast (default fp32)",
+        "backward under bf16 autocast where the CPU has bf16 units, ~1.5x faster per step; in "
+        "fp32 where it has not; recorded as compute_by_step); a GPU always uses bf16 autocast "
+        "(default fp32)",
     )
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (model loading included)"

@@ -194,6 +194,7 @@ def evaluate_run(
         "eval_seed": seed,
         "n_characterize": n_characterize,
         "z_min": config.z_min,
+        "circuit": config.circuit,  # the rule of the found circuit whose recovery is read
     }
     out = prepare_output(run_dir / "characterization")
     try:
@@ -230,6 +231,7 @@ def evaluate_run(
         steps=metadata.get("step"),
         attention_loss_tail=metadata.get("attention_loss_tail"),
         paired=metadata.get("paired"),
+        compute=metadata.get("compute"),  # None: recorded before compute was (models/precision)
     )
     (run_dir / EVALUATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -201,6 +201,21 @@ def check_pairs(runs: pd.DataFrame, seeds) -> None:
                 "different data or initial weights, so they are not a pair: rerun them with the "
                 "same teacher, data options and student options"
             )
+        computes = {_compute(row) for _, row in records.iterrows()}
+        if len(computes) > 1:
+            raise ValueError(
+                f"the runs of seed {seed} ({', '.join(map(str, records.run))}) computed in "
+                f"{' and '.join(sorted(computes))}, so they are not a pair: train both arms on "
+                "machines alike in bf16 units (models/precision.py)"
+            )
+
+
+def _compute(row: pd.Series) -> str:
+    """What a run computed in; runs recorded before it was: bf16 autocast with fp32-master."""
+    recorded = row.get("compute")
+    if isinstance(recorded, str):
+        return recorded
+    return "bf16-autocast" if row.get("precision") == "fp32-master" else "bfloat16"
 
 
 def _reported(table: pd.DataFrame) -> list[str]:

@@ -41,12 +41,14 @@ def teacher_characterization(
     task_config: dict,
     cache_dir: Path,
     n: int,
-    z_min: float,
-    progress: bool = True,
+    config: CharacterizeConfig,
 ) -> tuple[Characterization, Path]:
-    """The teacher's characterisation on `n` validation examples and its folder, run once and
-    kept in `cache_dir` (an interrupted one resumes its sweeps; a finished one is read back)."""
-    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-z{z_min:g}-characterization"
+    """The teacher's characterisation on `n` validation examples and its folder, run once per
+    circuit rule (`config.circuit`: z at `config.z_min`, or faithful from `config.faithful_pool`
+    candidates) and kept in `cache_dir` (an interrupted one resumes its sweeps; a finished one is
+    read back)."""
+    rule = f"z{config.z_min:g}" if config.circuit == "z" else f"faithful{config.faithful_pool}"
+    out = cache_dir / f"teacher-{weights_digest(teacher_dir)}-n{n}-{rule}-characterization"
     if (out / SUMMARY).is_file():  # written last: the characterisation finished
         return read_characterization(out), out
     examples, reference = task_examples(n, 0, "validation", task_config)
@@ -56,7 +58,7 @@ def teacher_characterization(
         teacher_tokenizer,
         examples,
         reference,
-        CharacterizeConfig(z_min=z_min, progress=progress),
+        config,
         sweep_dir=out,
     )
     return result, write_characterization(result, out)

@@ -53,9 +53,9 @@ from mistill_lens.models.checkpoints import (
     weights_digest,
 )
 from mistill_lens.models.lora import AdapterExport, fresh_adapter
+from mistill_lens.models.precision import compute_context, compute_mode
 from mistill_lens.models.students import (
     DEFAULT_CONTEXT,
-    autocast,
     build_student,
     context_length,
     exportable,
@@ -296,7 +296,7 @@ def student_losses(
     store: dict[int, torch.Tensor] = {}
     with (
         residual_recorder(adapter, [layer for layer, _ in heads], store),
-        autocast(precision),
+        compute_context("cpu", compute_mode("cpu", precision)),
     ):
         cot = output_loss(student_hf, batch.ids, batch.attention, batch.targets)
         pooled = event_attention(adapter, store, heads, batch.query_positions)
@@ -348,6 +348,7 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
     state = load_training_state(out_dir, fingerprint)
     if state is None:
         return None
+    _check_compute(out_dir, config, state)
     head_set = state["config"].get("student_head_set")
     saved = DistillConfig(
         **{
@@ -372,6 +373,21 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
         out_dir, dtype=precision_dtype(config.precision), attn_implementation=TRAINING_ATTENTION
     )
     return model, state
+
+
+def _check_compute(out_dir: Path, config: DistillConfig, state: dict) -> None:
+    """A run resumes only in the compute it started in: the precision comparison (bf16 weights vs
+    fp32 master weights under bf16 autocast) would otherwise mix numerics within one run."""
+    # a state saved before compute was recorded ran fp32-master under bf16 autocast on any CPU
+    legacy = "bf16-autocast" if config.precision == "fp32-master" else "bfloat16"
+    started, here = state.get("compute", legacy), compute_mode("cpu", config.precision)
+    if started != here:
+        raise CheckpointError(
+            f"{out_dir} was trained computing in {started}, and this machine would go on in "
+            f"{here} (bf16 autocast needs a CPU with bf16 units, AMX-bf16 or AVX512-bf16; "
+            "without them bf16 products run ~800x slower): resume it on a machine like the one "
+            "it started on, or start it again in another output folder (out_dir)"
+        )
 
 
 def _tuple(value):
@@ -567,6 +583,7 @@ def distill(
         }
     )
     n_events = sum(len(item.query_positions) for item in items)
+    compute = compute_mode("cpu", config.precision)  # checked equal to a resumed run's
     run_warnings = _data_warnings(items, n_events, too_long, len(examples), config)
 
     def save(step: int, elapsed: float) -> dict:
@@ -596,6 +613,7 @@ def distill(
             "paired": paired,
             "teacher_heads": {kind: [list(h) for h in hs] for kind, hs in heads_by_kind.items()},
             "torch": torch.__version__,
+            "compute": compute,
             **dict(extra_metadata or {}),
             **({"student_init": read_metadata(config.student_init)} if config.student_init else {}),
         }
@@ -607,6 +625,7 @@ def distill(
             "log": log,
             "optimizer": optimizer.state_dict(),
             "paired": paired,
+            "compute": compute,
         }
         save_checkpoint(
             AdapterExport(student) if config.lora else exportable(student),

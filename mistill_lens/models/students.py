@@ -112,14 +112,11 @@ def with_context(model: PreTrainedModel, n_ctx: int) -> PreTrainedModel:
 
 
 def precision_dtype(precision: str) -> torch.dtype:
-    """Weight dtype: bf16 weights, or fp32 master weights (compute under bf16 autocast)."""
+    """Weight dtype: bf16 weights, or fp32 master weights (compute under bf16 autocast where the
+    CPU has bf16 units: `models.precision.compute_mode`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {PRECISIONS}")
     return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def autocast(precision: str):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "fp32-master")
 
 
 def exportable(bridged: PreTrainedModel) -> PreTrainedModel:

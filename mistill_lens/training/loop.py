@@ -31,6 +31,7 @@ from mistill_lens.models.checkpoints import (
     save_checkpoint,
     weights_digest,
 )
+from mistill_lens.models.precision import compute_context, compute_mode
 from mistill_lens.models.students import context_length
 from mistill_lens.training.checkpoint_state import (
     TRAINING_STATE_FILE,
@@ -144,6 +145,13 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _legacy_compute(config: TrainConfig, device_type: str) -> str:
+    """What a run saved before compute was recorded computed in: bf16 autocast on a GPU or with
+    fp32-master (whatever the CPU), float32 otherwise."""
+    bf16 = device_type == "cuda" or config.precision == "fp32-master"
+    return "bf16-autocast" if bf16 else "float32"
+
+
 def train_fingerprint(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
     """Inputs of a training run beyond its configuration: the state format, the tokenizer, and the
     weights it started from."""
@@ -217,6 +225,13 @@ def train(
     else:
         model, state = resumed
         step, elapsed, losses = state["step"], state["elapsed_s"], state["losses"]
+    # [first step, compute mode] per stretch of the run (it may move between machines); older
+    # states: the rule of their time
+    compute = (
+        [list(c) for c in resumed[1]["compute_by_step"]]
+        if resumed is not None and "compute_by_step" in resumed[1]
+        else ([[0, _legacy_compute(config, target.type)]] if resumed is not None else [])
+    )
     model.to(target)
     model.train()
     parameters = [
@@ -243,6 +258,7 @@ def train(
             "torch": torch.__version__,
             "device": target.type,
             "precision": "bf16-autocast" if target.type == "cuda" else config.precision,
+            "compute_by_step": compute,
         }
         if config.init_from is not None:
             metadata["init_from"] = read_metadata(config.init_from)
@@ -254,6 +270,7 @@ def train(
             "losses": losses,
             "optimizer": optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "compute_by_step": compute,
         }
         save_checkpoint(
             model.cpu(), tokenizer, out_dir, metadata, training_state={TRAINING_STATE_FILE: state}
@@ -261,13 +278,12 @@ def train(
         model.to(target)
         return metadata
 
-    # bfloat16 matrix products on a GPU, and on a CPU with fp32-master (the weights and the
-    # optimizer stay float32)
-    autocast = torch.autocast(
-        target.type,
-        dtype=torch.bfloat16,
-        enabled=target.type == "cuda" or config.precision == "fp32-master",
-    )
+    # bfloat16 matrix products on a GPU, and with fp32-master on a CPU that has bf16 units (the
+    # weights and the optimizer stay float32); a resumed run records each change of machine
+    mode = compute_mode(target.type, config.precision)
+    autocast = compute_context(target.type, mode)
+    if not compute or compute[-1][1] != mode:
+        compute.append([step, mode])
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, str]]:
         encoded = next(batches)
