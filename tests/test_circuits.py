@@ -238,3 +238,38 @@ def test_carrying_heads_are_the_ones_that_write_the_region(planted, region_batch
     assert (
         at_mention.max() < 0.2 * at_decision.max()
     )  # the mention token is read from its embedding
+
+
+def test_a_rerun_reads_the_stages_before_the_sweeps_from_its_folder(planted, tmp_path, monkeypatch):
+    """The reference means, the clean margins and the attribution are kept in the run's folder: a
+    second run there reads them (here computing them is made to fail) and finds the same; a run
+    whose inputs differ (another null draw) is refused, not given the first run's means."""
+    from dataclasses import replace
+
+    from characterized import characterize_into
+    from planted import planted_examples
+
+    import mistill_lens.lens.characterize as pipeline
+    from mistill_lens.lens.fingerprint import StaleResultError
+    from mistill_lens.lens.results import CharacterizeConfig
+    from mistill_lens.lens.run_folder import STAGE_FILES
+
+    bridge, tokenizer = planted
+    config = CharacterizeConfig(seed=0, ks=(1,), progress=False)
+    args = (bridge, tokenizer, planted_examples(12, seed=0), planted_examples(24, seed=1))
+    first = characterize_into(tmp_path / "run", *args, config)
+    assert all((tmp_path / "run" / name).is_file() for name in STAGE_FILES)
+
+    def recomputed(*_, **__):
+        raise AssertionError("a kept stage was computed again")
+
+    for stage in ("reference_means", "clean_margins", "chunked_attribution"):
+        monkeypatch.setattr(pipeline, stage, recomputed)
+    again = characterize_into(tmp_path / "run", *args, config)
+    # the engine's self-check runs on the first events it is asked about, which differ here
+    assert {k: v for k, v in again.items() if k != "backend"} == {
+        k: v for k, v in first.items() if k != "backend"
+    }
+    monkeypatch.undo()
+    with pytest.raises(StaleResultError, match="reference_means.pt .*options"):
+        characterize_into(tmp_path / "run", *args, replace(config, null_per_event=2))

@@ -67,7 +67,7 @@ from mistill_lens.lens.events import (
 )
 from mistill_lens.lens.examples import example_name, own_id
 from mistill_lens.lens.faithful_search import METHODS, MIN_RESAMPLES, Search, faithful_circuit
-from mistill_lens.lens.fingerprint import StaleResultWarning, value_digest
+from mistill_lens.lens.fingerprint import StaleResultWarning, model_digest, value_digest
 from mistill_lens.lens.hooks import (
     Head,
     HeadMeans,
@@ -80,12 +80,22 @@ from mistill_lens.lens.results import (
     CharacterizeConfig,
     ExampleView,
 )
-from mistill_lens.lens.run_folder import CONTRAST_LOG, SEARCH_LOG
+from mistill_lens.lens.run_folder import (
+    ATTRIBUTION_FILE,
+    CLEAN_MARGIN_FILE,
+    CONTRAST_LOG,
+    EVERY_MARGIN_FILE,
+    MEANS_FILE,
+    SEARCH_LOG,
+)
 from mistill_lens.lens.search_log import SearchLog
 from mistill_lens.lens.sharding import sharded_sweep
+from mistill_lens.lens.stage_file import kept_stage
 from mistill_lens.lens.sweep import (
     ablation_sweep,
     effects_tensor,
+    events_digest,
+    means_digest,
     sweep_fingerprint,
 )
 
@@ -427,6 +437,22 @@ def _elicitation_warnings(elicitation: dict, curve, config: CharacterizeConfig) 
     return warned
 
 
+def _stage_keeper(model: HookedModel, run_dir: Path | None, stale: str):
+    """`keep(name, fingerprint, compute)`: a stage's result kept in the run folder under `name`
+    (lens/stage_file.py), fingerprinted by the model's weights and `fingerprint`; without a
+    folder, computed each time."""
+    if run_dir is None:
+        return lambda name, fingerprint, compute: compute()
+    weights = model_digest(model)
+
+    def keep(name: str, fingerprint: dict[str, str], compute):
+        return kept_stage(
+            run_dir / name, {"model weights": weights, **fingerprint}, compute, stale, what=name
+        )
+
+    return keep
+
+
 def _characterize(
     model: HookedModel,
     tokenizer: Tokenizer,
@@ -448,23 +474,41 @@ def _characterize(
         sweep_dir / CONTRAST_LOG if sweep_dir is not None else None,
         config.stale,
     )
-    means = reference_means(model, reference, config.null_per_event, config.seed, pad)
+    keep = _stage_keeper(model, sweep_dir, config.stale)
+    means = keep(
+        MEANS_FILE,
+        {
+            "reference": value_digest([asdict(x) for x in reference]),
+            "options": value_digest([config.null_per_event, config.seed]),
+        },
+        lambda: reference_means(model, reference, config.null_per_event, config.seed, pad),
+    )
 
     every_event = make_event_batch(encoded, pad_token_id=pad)
-    every_margin = clean_margins(model, every_event)
+    every_margin = keep(
+        EVERY_MARGIN_FILE,
+        {"events": events_digest(every_event)},
+        lambda: clean_margins(model, every_event),
+    )
     decided = decided_rows(every_margin, config.min_margin)
     if len(decided) == 0:
         raise ValueError(
             f"the model decides none of the {len(every_event)} gold events its way: nothing to characterise"
         )
     batch = every_event.select(decided)
-    clean = clean_margins(model, batch)  # the sweep, the circuit and the curve share it
+    clean = keep(  # the sweep, the circuit and the curve share it
+        CLEAN_MARGIN_FILE, {"events": events_digest(batch)}, lambda: clean_margins(model, batch)
+    )
     nulls = make_event_batch(
         encoded, null_events(encoded, batch.events, config.null_per_event, config.seed), pad
     )
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
 
-    attribution = chunked_attribution(model, batch, means, config.attribution_batch_size)
+    attribution = keep(
+        ATTRIBUTION_FILE,
+        {"events": events_digest(batch), "reference means": means_digest(means)},
+        lambda: chunked_attribution(model, batch, means, config.attribution_batch_size),
+    )
     swept = (
         all_heads(model)
         if config.sweep_top is None

@@ -17,6 +17,12 @@ SEARCH_LOG = "faithful_search.json"  # the faithfulness search's steps (lens/sea
 CONTRAST_LOG = (
     "contrasts.json"  # each example's clean margins against its rivals (lens/contrasts.py)
 )
+# stages before the sweeps, each kept with its inputs' fingerprint (lens/stage_file.py)
+MEANS_FILE = "reference_means.pt"
+EVERY_MARGIN_FILE = "clean_margins_all.pt"  # every gold event's, before the undecided are dropped
+CLEAN_MARGIN_FILE = "clean_margins.pt"  # the decided events'
+ATTRIBUTION_FILE = "attribution.pt"
+STAGE_FILES = (MEANS_FILE, EVERY_MARGIN_FILE, CLEAN_MARGIN_FILE, ATTRIBUTION_FILE)
 DERIVED_FILES = (
     "attribution.csv",
     "calibration.csv",

@@ -78,16 +78,26 @@ def _sweep_rows(
 SWEEP_FORMAT = "sweep-v2"  # bump when the table's columns or meaning change
 
 
+def events_digest(batch: EventBatch) -> str:
+    """Digest of a batch's events: contexts, positions, chosen and contrast tokens, kinds."""
+    return tensor_digest(
+        batch.tokens, batch.predict_positions, batch.chosen, batch.contrast
+    ) + value_digest(batch.kinds)
+
+
+def means_digest(means: HeadMeans) -> str:
+    """Digest of reference means: the values, their counts and class names."""
+    return tensor_digest(means.means, means.counts) + value_digest(means.class_names)
+
+
 def sweep_fingerprint(model: HookedModel, batch: EventBatch, means: HeadMeans) -> dict[str, str]:
     """What a sweep table's numbers depend on: the table format, the model's weights, the events
     (contexts, positions, chosen and contrast tokens) and the reference means."""
     return {
         "format": SWEEP_FORMAT,
         "model weights": model_digest(model),
-        "events": tensor_digest(batch.tokens, batch.predict_positions, batch.chosen, batch.contrast)
-        + value_digest(batch.kinds),
-        "reference means": tensor_digest(means.means, means.counts)
-        + value_digest(means.class_names),
+        "events": events_digest(batch),
+        "reference means": means_digest(means),
     }
 
 
