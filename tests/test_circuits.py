@@ -271,5 +271,5 @@ def test_a_rerun_reads_the_stages_before_the_sweeps_from_its_folder(planted, tmp
         k: v for k, v in first.items() if k != "backend"
     }
     monkeypatch.undo()
-    with pytest.raises(StaleResultError, match="reference_means.pt .*options"):
+    with pytest.raises(StaleResultError, match="reference means .*options"):
         characterize_into(tmp_path / "run", *args, replace(config, null_per_event=2))

@@ -214,10 +214,15 @@ def test_characterize_end_to_end_on_the_planted_model(planted, tmp_path):
         config,
         near_miss_text=mention,
     )
-    assert again == summary
+    # the engine checks itself on the first events it is asked about: with the means and margins
+    # read back from the folder those are other events, so its check figures differ
+    assert {k: v for k, v in again.items() if k != "backend"} == {
+        k: v for k, v in summary.items() if k != "backend"
+    }
+    assert again["backend"]["check"]["passed"]
     # the folder reads back as the same characterisation
     read = read_characterization(tmp_path)
-    assert read.summary() == summary
+    assert read.summary() == again  # the folder holds the second run
     assert read.circuits == {"region": [DECIDER], "within": [WITHIN], "all": [DECIDER, WITHIN]}
     assert median_recovery(tmp_path, kind="within") == read.median_recovery("within")
     # a damaged summary is named with what is wrong, never a bare JSON or key error

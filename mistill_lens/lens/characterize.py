@@ -437,6 +437,14 @@ def _elicitation_warnings(elicitation: dict, curve, config: CharacterizeConfig) 
     return warned
 
 
+STAGE_NAMES = {
+    MEANS_FILE: "reference means",
+    EVERY_MARGIN_FILE: "clean margins of every gold event",
+    CLEAN_MARGIN_FILE: "clean margins of the decided events",
+    ATTRIBUTION_FILE: "attribution scores",
+}
+
+
 def _stage_keeper(model: HookedModel, run_dir: Path | None, stale: str):
     """`keep(name, fingerprint, compute)`: a stage's result kept in the run folder under `name`
     (lens/stage_file.py), fingerprinted by the model's weights and `fingerprint`; without a
@@ -447,7 +455,11 @@ def _stage_keeper(model: HookedModel, run_dir: Path | None, stale: str):
 
     def keep(name: str, fingerprint: dict[str, str], compute):
         return kept_stage(
-            run_dir / name, {"model weights": weights, **fingerprint}, compute, stale, what=name
+            run_dir / name,
+            {"model weights": weights, **fingerprint},
+            compute,
+            stale,
+            what=STAGE_NAMES[name],
         )
 
     return keep

@@ -51,7 +51,7 @@ def kept_stage(
                 raise StaleResultError(
                     f"{error}; remove it, or recompute (stale='recompute') to replace it"
                 ) from None
-            warnings.warn(f"{error}: computed again", StaleResultWarning, stacklevel=2)
+            warnings.warn(f"{error}: recomputed", StaleResultWarning, stacklevel=2)
     value = compute()
     partial = path.with_name(path.name + ".partial")
     torch.save({"fingerprint": current, "value": value}, partial)
