@@ -18,6 +18,7 @@ from mistill_lens.distill.evaluation import EVALUATION_FILE, median_recovery
 from mistill_lens.distill.mention_pairs import mention_comparison
 from mistill_lens.distill.significance import sign_flip_p_value
 from mistill_lens.lens.plot import write_figure
+from mistill_lens.models.precision import legacy_compute
 from mistill_lens.runs import claim_run_dir, legacy_run
 from mistill_lens.training.checkpoint_state import TRAINING_STATE_FILE
 
@@ -211,11 +212,9 @@ def check_pairs(runs: pd.DataFrame, seeds) -> None:
 
 
 def _compute(row: pd.Series) -> str:
-    """What a run computed in; runs recorded before it was: bf16 autocast with fp32-master."""
+    """What a run computed in, by its record or, before it was recorded, the rule of its time."""
     recorded = row.get("compute")
-    if isinstance(recorded, str):
-        return recorded
-    return "bf16-autocast" if row.get("precision") == "fp32-master" else "bfloat16"
+    return recorded if isinstance(recorded, str) else legacy_compute("cpu", row.get("precision"))
 
 
 def _reported(table: pd.DataFrame) -> list[str]:

@@ -53,7 +53,7 @@ from mistill_lens.models.checkpoints import (
     weights_digest,
 )
 from mistill_lens.models.lora import AdapterExport, fresh_adapter
-from mistill_lens.models.precision import compute_context, compute_mode
+from mistill_lens.models.precision import compute_context, compute_mode, legacy_compute
 from mistill_lens.models.students import (
     DEFAULT_CONTEXT,
     build_student,
@@ -378,9 +378,8 @@ def _resume(out_dir: Path, config: DistillConfig, fingerprint: dict[str, str]):
 def _check_compute(out_dir: Path, config: DistillConfig, state: dict) -> None:
     """A run resumes only in the compute it started in: the precision comparison (bf16 weights vs
     fp32 master weights under bf16 autocast) would otherwise mix numerics within one run."""
-    # a state saved before compute was recorded ran fp32-master under bf16 autocast on any CPU
-    legacy = "bf16-autocast" if config.precision == "fp32-master" else "bfloat16"
-    started, here = state.get("compute", legacy), compute_mode("cpu", config.precision)
+    started = state.get("compute", legacy_compute("cpu", config.precision))
+    here = compute_mode("cpu", config.precision)
     if started != here:
         raise CheckpointError(
             f"{out_dir} was trained computing in {started}, and this machine would go on in "

@@ -59,6 +59,16 @@ def compute_mode(device_type: str, precision: str, bf16_units: bool | None = Non
     return "bf16-autocast" if precision == "fp32-master" and bf16_units else "float32"
 
 
+def legacy_compute(device_type: str, precision: str) -> str:
+    """What a run recorded before compute was recorded computed in, by the rule of its time: bf16
+    weights in bfloat16; otherwise bf16 autocast on a GPU or with fp32-master (whatever the CPU),
+    float32 else."""
+    if precision == "bf16":
+        return "bfloat16"
+    bf16 = device_type == "cuda" or precision == "fp32-master"
+    return "bf16-autocast" if bf16 else "float32"
+
+
 def compute_context(device_type: str, mode: str) -> AbstractContextManager:
     """The context a forward and backward of `mode` run in (autocast for "bf16-autocast")."""
     if mode not in COMPUTE_MODES:

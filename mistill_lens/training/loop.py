@@ -31,7 +31,7 @@ from mistill_lens.models.checkpoints import (
     save_checkpoint,
     weights_digest,
 )
-from mistill_lens.models.precision import compute_context, compute_mode
+from mistill_lens.models.precision import compute_context, compute_mode, legacy_compute
 from mistill_lens.models.students import context_length
 from mistill_lens.training.checkpoint_state import (
     TRAINING_STATE_FILE,
@@ -145,13 +145,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _legacy_compute(config: TrainConfig, device_type: str) -> str:
-    """What a run saved before compute was recorded computed in: bf16 autocast on a GPU or with
-    fp32-master (whatever the CPU), float32 otherwise."""
-    bf16 = device_type == "cuda" or config.precision == "fp32-master"
-    return "bf16-autocast" if bf16 else "float32"
-
-
 def train_fingerprint(config: TrainConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
     """Inputs of a training run beyond its configuration: the state format, the tokenizer, and the
     weights it started from."""
@@ -230,7 +223,7 @@ def train(
     compute = (
         [list(c) for c in resumed[1]["compute_by_step"]]
         if resumed is not None and "compute_by_step" in resumed[1]
-        else ([[0, _legacy_compute(config, target.type)]] if resumed is not None else [])
+        else ([[0, legacy_compute(target.type, config.precision)]] if resumed is not None else [])
     )
     model.to(target)
     model.train()
