@@ -253,5 +253,5 @@ def test_a_logged_choice_is_read_back_not_recomputed(char_model, tmp_path, monke
     other = random_gpt2(tokenizer, 1)
     with pytest.raises(StaleResultError, match="contrast log .* model weights"):
         contrast_log(path, other)
-    with pytest.warns(StaleResultWarning, match="started afresh"):
+    with pytest.warns(StaleResultWarning, match="recomputed"):
         contrast_log(path, other, stale="recompute")

@@ -23,7 +23,7 @@ from mistill_lens import cli, task
 from mistill_lens.lens.backends import FullForward
 from mistill_lens.lens.characterize import CharacterizeConfig
 from mistill_lens.lens.events import make_event_batch, position_class_names
-from mistill_lens.lens.fingerprint import StaleResultError
+from mistill_lens.lens.fingerprint import StaleResultError, StaleResultWarning, resumable
 from mistill_lens.lens.hooks import (
     ablate_all_but_hooks,
     all_heads,
@@ -205,6 +205,33 @@ def test_an_interrupted_commit_is_rolled_forward_or_discarded(tmp_path):
 
 
 # --- stale results -----------------------------------------------------------------------------
+
+
+def test_one_rule_decides_whether_a_stored_result_is_resumed():
+    current = {"format": "1", "model": "aa", "events": "bb"}
+    assert resumable(dict(current), current, "table t", "error")
+    assert resumable(dict(current), current, "table t", "recompute")
+    other = {**current, "events": "cc", "model": "dd"}
+    with pytest.raises(StaleResultError, match=r"table t .*events, model differ.*; fix it"):
+        resumable(other, current, "table t", "error", remedy="fix it")
+    with pytest.warns(StaleResultWarning, match="events, model differ.*: recomputed"):
+        assert not resumable(other, current, "table t", "recompute")
+    with pytest.raises(StaleResultError, match="no fingerprint"):
+        resumable(None, current, "table t", "error")
+    with pytest.raises(ValueError, match="stale must be 'error' or 'recompute', got 'keep'"):
+        resumable(dict(current), current, "table t", "keep")
+
+
+def test_a_sweep_table_with_other_columns_is_refused(planted, planted_data, tmp_path):
+    bridge, _ = planted
+    path = tmp_path / "sweep.csv"
+    ablation_sweep(
+        bridge, planted_data["batch"], planted_data["means"], path, heads=[(0, 0)], progress=False
+    )
+    table = pd.read_csv(path).rename(columns={"effect": "delta"})
+    table.to_csv(path, index=False)
+    with pytest.raises(StaleResultError, match="has columns .*delta"):
+        ablation_sweep(bridge, planted_data["batch"], planted_data["means"], path, progress=False)
 
 
 def test_a_sweep_from_other_means_is_never_resumed(planted, planted_data, tmp_path):

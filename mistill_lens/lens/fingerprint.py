@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -72,6 +73,40 @@ def check_fingerprint(
         raise StaleResultError(
             f"{what} belongs to another run: its {', '.join(changed)} differ from this run's"
         )
+
+
+STALE_CHOICES = ("error", "recompute")
+
+
+def check_stale(stale: str) -> None:
+    """Refuse a `stale` policy other than "error" (refuse a stored result of other inputs) and
+    "recompute" (discard it, warn, compute afresh)."""
+    if stale not in STALE_CHOICES:
+        raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
+
+
+def resumable(
+    stored: Mapping[str, str] | None,
+    current: Mapping[str, str],
+    what: str,
+    stale: str,
+    remedy: str = "remove it, or recompute (stale='recompute') to replace it",
+) -> bool:
+    """Whether a stored result of ``what`` with fingerprint ``stored`` may be resumed by a run
+    whose fingerprint is ``current``. When it belongs to other inputs: ``stale="error"`` raises
+    :class:`StaleResultError` naming the inputs that differ and the `remedy`;
+    ``stale="recompute"`` warns (:class:`StaleResultWarning`) and returns False, so the caller
+    discards it. The one place where every resumable artefact makes that choice."""
+    check_stale(stale)
+    try:
+        check_fingerprint(stored, current, what)
+    except StaleResultError as error:
+        if stale == "error":
+            raise StaleResultError(f"{error}; {remedy}") from None
+        # stacklevel 3: the warning points at the caller's caller (the API the user called)
+        warnings.warn(f"{error}: recomputed", StaleResultWarning, stacklevel=3)
+        return False
+    return True
 
 
 def fingerprint_path(path: str | Path) -> Path:

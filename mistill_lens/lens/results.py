@@ -21,6 +21,7 @@ from mistill_lens.lens.contrasts import check_contrast_rule
 from mistill_lens.lens.elicitation import top_heads
 from mistill_lens.lens.events import DecisionEvent, EncodedExample
 from mistill_lens.lens.faithful_search import METHODS
+from mistill_lens.lens.fingerprint import check_stale
 from mistill_lens.lens.hooks import Head
 from mistill_lens.options import check_options
 
@@ -141,8 +142,7 @@ class CharacterizeConfig:
                 "circuit='faithful' needs the faithfulness search: set faithful_pool (the number "
                 "of candidate heads, e.g. 40)"
             )
-        if self.stale not in ("error", "recompute"):
-            raise ValueError(f"stale must be 'error' or 'recompute', got {self.stale!r}")
+        check_stale(self.stale)
 
 
 def rank_correlation(a: Tensor, b: Tensor) -> float:

@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from mistill_lens.lens.fingerprint import (
-    StaleResultError,
-    StaleResultWarning,
-    check_fingerprint,
-)
+from mistill_lens.lens.fingerprint import check_stale, resumable
 
 SEARCH_LOG_FORMAT = "1"
 
@@ -42,8 +37,7 @@ class SearchLog:
         stale: str = "error",
         what: str = "search log",
     ):
-        if stale not in ("error", "recompute"):
-            raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
+        check_stale(stale)
         self.path = Path(path) if path is not None else None
         self.what = what
         self.fingerprint = {"format": SEARCH_LOG_FORMAT, **fingerprint}
@@ -54,16 +48,8 @@ class SearchLog:
 
     def _resume(self, stale: str) -> None:
         stored = json.loads(self.path.read_text())
-        try:
-            check_fingerprint(
-                stored.get("fingerprint"), self.fingerprint, f"{self.what} {self.path}"
-            )
-        except StaleResultError as error:
-            if stale == "error":
-                raise StaleResultError(
-                    f"{error}; remove it, or recompute (stale='recompute') to start it afresh"
-                ) from None
-            warnings.warn(f"{error}: started afresh", StaleResultWarning, stacklevel=3)
+        what = f"{self.what} {self.path}"
+        if not resumable(stored.get("fingerprint"), self.fingerprint, what, stale):
             return
         self._steps = stored["steps"]
         self._results = stored["results"]

@@ -14,13 +14,12 @@ otherwise it is refused (``stale="error"``) or recomputed with a
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 import torch
 
-from mistill_lens.lens.fingerprint import StaleResultError, StaleResultWarning, check_fingerprint
+from mistill_lens.lens.fingerprint import check_stale, resumable
 
 T = TypeVar("T")
 STAGE_FORMAT = "1"
@@ -35,23 +34,15 @@ def kept_stage(
 ) -> T:
     """The value `compute` returns, read from `path` when a run with the same `fingerprint` wrote
     it there, else computed and written (no `path`: computed, nothing kept)."""
-    if stale not in ("error", "recompute"):
-        raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
+    check_stale(stale)
     if path is None:
         return compute()
     path = Path(path)
     current = {"format": STAGE_FORMAT, **fingerprint}
     if path.is_file():
         stored = torch.load(path, weights_only=False, map_location="cpu")
-        try:
-            check_fingerprint(stored.get("fingerprint"), current, f"{what} {path}")
+        if resumable(stored.get("fingerprint"), current, f"{what} {path}", stale):
             return stored["value"]
-        except StaleResultError as error:
-            if stale == "error":
-                raise StaleResultError(
-                    f"{error}; remove it, or recompute (stale='recompute') to replace it"
-                ) from None
-            warnings.warn(f"{error}: recomputed", StaleResultWarning, stacklevel=2)
     value = compute()
     partial = path.with_name(path.name + ".partial")
     torch.save({"fingerprint": current, "value": value}, partial)

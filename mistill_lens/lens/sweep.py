@@ -7,7 +7,6 @@ stopped (heads already in the file are not re-run, after checking the file belon
 from __future__ import annotations
 
 import io
-import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -21,10 +20,10 @@ from mistill_lens.lens.backends import backend_for, clean_margins
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.fingerprint import (
     StaleResultError,
-    StaleResultWarning,
-    check_fingerprint,
+    check_stale,
     model_digest,
     read_fingerprint,
+    resumable,
     tensor_digest,
     value_digest,
     write_fingerprint,
@@ -124,26 +123,22 @@ def ablation_sweep(
     inputs that changed; `stale="recompute"` discards the table (with a warning) and starts again.
     `clean`: the events' clean margins, when the caller has them already.
     """
-    if stale not in ("error", "recompute"):
-        raise ValueError(f"stale must be 'error' or 'recompute', got {stale!r}")
+    check_stale(stale)
     heads = validate_heads(model, heads if heads is not None else all_heads(model))
     clean = clean if clean is not None else clean_margins(model, batch, batch_size=batch_size)
     done = pd.DataFrame(columns=SWEEP_COLUMNS)
     if out_path is not None:
         out_path = Path(out_path)
         fingerprint = sweep_fingerprint(model, batch, means)
-        if out_path.exists():
-            try:
-                check_fingerprint(
-                    read_fingerprint(out_path), fingerprint, f"sweep table {out_path}"
-                )
-                done = _read_table(out_path)
-            except StaleResultError as err:
-                if stale == "error":
-                    raise StaleResultError(
-                        f"{err}; use another output folder, or recompute it"
-                    ) from err
-                warnings.warn(f"{err}: recomputed", StaleResultWarning, stacklevel=2)
+        what = f"sweep table {out_path}"
+        if out_path.exists() and resumable(
+            read_fingerprint(out_path),
+            fingerprint,
+            what,
+            stale,
+            "use another output folder, or recompute it",
+        ):
+            done = _read_table(out_path)
         write_fingerprint(out_path, fingerprint)
     done = done.drop_duplicates(["layer", "head", "event_row"])
     if out_path is not None:
