@@ -10,7 +10,7 @@ from conftest import encode_all, head_ablation_effects
 from planted import TOKEN_ID, planted_examples
 from planted_joint import JOINT_GAIN, JOINT_HEADS, joint_bridge
 
-from mistill_lens.lens.backends import means_from_events
+from mistill_lens.lens.backends import FullForward, means_from_events
 from mistill_lens.lens.calibration import calibrate, null_events
 from mistill_lens.lens.circuits import select_circuit
 from mistill_lens.lens.engine import InterventionEngine
@@ -40,7 +40,7 @@ from mistill_lens.lens.hooks import (
     head_mask,
     row_set_ablation_hooks,
 )
-from mistill_lens.lens.learned_mask import learn_mask
+from mistill_lens.lens.learned_mask import backpropagate_mean_margin, learn_mask
 from mistill_lens.lens.margins import run_margins
 from mistill_lens.lens.search_log import SearchLog
 
@@ -211,7 +211,6 @@ def test_a_resample_without_a_positive_margin_is_counted_as_failed(joint):
 def test_gates_interpolate_between_the_clean_run_and_mean_ablation_on_both_backends(joint):
     """Gate 0 is the clean run, gate 1 the mean-ablation of a set; the engine's differentiable
     margins equal the full forward's, values and gradients with respect to the gates."""
-    from mistill_lens.lens.backends import FullForward
 
     bridge, batch, _, means, _ = joint
     full, engine = FullForward(bridge), InterventionEngine(bridge)
@@ -273,6 +272,36 @@ def test_a_learned_mask_opens_exactly_the_joint_heads(joint, measure):
     assert [len(s) for s in curve.sets] == list(range(0 if measure == "necessity" else 1, 7))
     if measure == "sufficiency":  # normalised: k of the joint heads kept keep k/4
         assert curve.values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0], abs=1e-4)
+
+
+def test_a_learned_mask_backpropagates_chunk_by_chunk_to_the_full_batch_gradient(joint):
+    """The mask's loss is affine in the mean margin, so backpropagating a few rows at a time (one
+    chunk's graph held at once) gives the gradient of one full-batch backward, on both backends;
+    and the gates learned either way agree."""
+    bridge, batch, _, means, _ = joint
+    assert len(batch) % 5 != 0  # a last chunk shorter than the others
+    gates = torch.rand(2, bridge.cfg.n_heads, generator=torch.Generator().manual_seed(1))
+    for make in (InterventionEngine, FullForward):
+        grads = []
+        for rows in (len(batch), 5):
+            backend = make(bridge)
+            backend.grad_rows = rows
+            leaf = gates.clone().requires_grad_()
+
+            def hooks_for(sub):
+                classes = event_position_classes(sub, means.class_names)
+                return gated_ablation_hooks(bridge, leaf, means, classes)
+
+            backpropagate_mean_margin(backend, batch, hooks_for, scale=-0.5)
+            grads.append(leaf.grad)
+        assert grads[0].abs().max() > 1e-2  # a gradient that can differ
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            learn_mask(backend, batch, means, "necessity", steps=5),
+            learn_mask(make(bridge), batch, means, "necessity", steps=5),
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_a_ranking_curve_follows_the_ranking_order(joint):
@@ -366,7 +395,6 @@ def test_a_learned_mask_refuses_what_it_cannot_learn(joint):
 
 def test_batched_set_ablations_equal_one_forward_per_set(joint, planted, planted_data):
     """Many head sets jointly ablated in one engine call equal the full forward, set by set."""
-    from mistill_lens.lens.backends import FullForward
 
     for model, batch, means in [
         (joint[0], joint[1], joint[3]),

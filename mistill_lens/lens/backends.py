@@ -56,6 +56,10 @@ class EventModel(Protocol):
     the hooked model itself (``cfg``, ``run_with_hooks``, ``hook_dict``)."""
 
     model: HookedModel
+    # The most event rows whose autograd graph is held at once: a caller differentiating a sum
+    # over more events backpropagates it in chunks of this many rows, so memory stays bounded
+    # by the chunk, not by the number of events.
+    grad_rows: int
 
     def margins(
         self, batch: EventBatch, hooks_for: HooksFor, chunk: int | None = None
@@ -109,6 +113,7 @@ class FullForward(StandsIn):
     def __init__(self, model: HookedModel, batch_size: int = 256):
         self.model = model
         self.batch_size = batch_size
+        self.grad_rows = batch_size  # one forward's graph (every position of its rows) at a time
 
     def margins(self, batch, hooks_for, chunk=None):
         return run_margins_in_chunks(self.model, batch, hooks_for, chunk or self.batch_size)

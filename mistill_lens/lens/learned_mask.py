@@ -25,7 +25,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mistill_lens.lens.backends import backend_for
+from mistill_lens.lens.backends import EventModel, HooksFor, backend_for
 from mistill_lens.lens.events import EventBatch
 from mistill_lens.lens.faithfulness import (
     MEASURES,
@@ -80,11 +80,23 @@ def learn_mask(
         classes = event_position_classes(sub, means.class_names)
         return gated_ablation_hooks(backend.model, ablation, means, classes)
 
+    # the loss is affine in the mean margin: this factor times it, plus a constant
+    scale = 1 / clean if measure == "necessity" else -1 / (clean - empty)
     for _ in tqdm(range(steps), desc=f"learned {measure} mask", disable=not progress):
-        margin = backend.differentiable_margins(batch, hooks_for).mean()
-        share = margin / clean if measure == "necessity" else -(margin - empty) / (clean - empty)
-        loss = share + sparsity * torch.sigmoid(logits).sum()
         optimizer.zero_grad()
-        loss.backward()
+        backpropagate_mean_margin(backend, batch, hooks_for, scale)
+        (sparsity * torch.sigmoid(logits).sum()).backward()
         optimizer.step()
     return torch.sigmoid(logits).detach()
+
+
+def backpropagate_mean_margin(
+    backend: EventModel, batch: EventBatch, hooks_for: HooksFor, scale: float
+) -> None:
+    """Accumulate the gradient of `scale` x the mean margin of `batch` (with `hooks_for`'s hooks)
+    into whatever the hooks read that requires grad, one chunk of `backend.grad_rows` rows at a
+    time: the gradient of a mean is the sum of the chunks' sums / n, so one chunk's graph is held
+    at once and memory is bounded by the chunk, not by the number of events. Chunks keep the
+    batch's row order, so an example's rows stay together (one clean pass on the engine)."""
+    for sub in batch.chunks(backend.grad_rows):
+        (scale * backend.differentiable_margins(sub, hooks_for).sum() / len(batch)).backward()
