@@ -155,7 +155,7 @@ class InterventionEngine(StandsIn):
     layer, the attention weights over the row's whole context (by arithmetic ~1.3 MB per row at
     1,200 tokens for SmolLM2's 30 layers x 9 heads in float32, each held in a few forms). At
     512 rows per backward, an n = 150 characterisation of the default teacher went from 6.5 GB
-    resident in the clean margins to 8.2 GB in attribution.
+    resident in the clean margins to a peak of 11.25 GB in attribution.
     """
 
     def __init__(
