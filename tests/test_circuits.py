@@ -1,3 +1,4 @@
+import pandas as pd
 import pytest
 import torch
 from conftest import head_ablation_effects
@@ -7,6 +8,7 @@ from test_hooks import reference_frequencies
 from mistill_lens.lens.circuits import (
     ablation_curve,
     attention_mass,
+    circuit_measures,
     circuit_report,
     coverage,
     family_targets,
@@ -17,6 +19,7 @@ from mistill_lens.lens.circuits import (
     phase_structure,
     select_circuit,
     sufficiency,
+    transfer_fraction,
 )
 from mistill_lens.lens.sweep import ablation_sweep, effects_tensor
 
@@ -111,6 +114,13 @@ def test_report_summary_and_coverage(planted, planted_data):
     assert summary["region"]["coverage"]["knock_in"] == 0.0  # a third transfers, below 0.9
     assert summary["region"]["knock_in"] == pytest.approx(
         REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=1e-4
+    )
+    # every event transfers the same share here, so pooling gains and gaps gives it too
+    assert summary["region"]["knock_in_pooled"] == pytest.approx(
+        REGION_GAIN / (REGION_GAIN + GENERIC_GAIN), abs=1e-4
+    )
+    torch.testing.assert_close(
+        report.knock_in, torch.tensor(report.to_frame().knock_in.to_numpy(), dtype=torch.float32)
     )
     assert (
         coverage(torch.tensor([1.0, 0.0, 1.0, torch.nan]), [0, 0, 1, 2], 0.5) == 1.0
@@ -273,3 +283,32 @@ def test_a_rerun_reads_the_stages_before_the_sweeps_from_its_folder(planted, tmp
     monkeypatch.undo()
     with pytest.raises(StaleResultError, match="reference means .*options"):
         characterize_into(tmp_path / "run", *args, replace(config, null_per_event=2))
+
+
+def test_pooled_knock_in_is_not_carried_by_one_event_with_a_tiny_gap():
+    """Gains 1, 1, 0.23 over gaps 2, 2, 0.01: the per-event ratios 0.5, 0.5, 23 average 8; pooled,
+    2.23 / 4.01. Rows without a donor (NaN) or without a gap (<= 0) are left out of both."""
+    nan = float("nan")
+    events = pd.DataFrame(
+        {
+            "example_id": [0, 1, 2, 3, 4],
+            "kind": ["near_miss"] * 5,
+            "necessity": [1.0] * 5,
+            "sufficiency": [1.0] * 5,
+            "knock_in_gain": [1.0, 1.0, 0.23, nan, 5.0],
+            "knock_in_gap": [2.0, 2.0, 0.01, nan, -1.0],
+        }
+    )
+    events["knock_in"] = transfer_fraction(
+        torch.tensor(events.knock_in_gain.to_numpy()), torch.tensor(events.knock_in_gap.to_numpy())
+    ).numpy()
+    measures = circuit_measures(events, {"necessity": 0.5, "sufficiency": 0.5, "knock_in": 0.5})
+    assert measures["near_miss"]["knock_in"] == pytest.approx(8.0)
+    assert measures["near_miss"]["knock_in_pooled"] == pytest.approx(2.23 / 4.01)
+    assert (
+        "knock_in_pooled"
+        not in circuit_measures(  # an older table without the two sides
+            events.drop(columns=["knock_in_gain", "knock_in_gap"]),
+            {"necessity": 0.5, "sufficiency": 0.5, "knock_in": 0.5},
+        )["near_miss"]
+    )

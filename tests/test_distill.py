@@ -659,8 +659,12 @@ def test_causal_recovery_reads_the_characterisation_summary():
         "near_miss": {"n_events": 10, "necessity": 0.6, "knock_in": 0.2, "circuit": [[1, 0]]}
     }
     assert causal_recovery(summary)["causal_recovery"] == pytest.approx(0.4)
+    assert causal_recovery(summary)["recovery_knock_in_pooled"] is None  # an older summary
+    summary["near_miss"]["knock_in_pooled"] = 0.3
+    assert causal_recovery(summary)["recovery_knock_in_pooled"] == 0.3
     no_heads = {"near_miss": {"n_events": 10, "necessity": None, "knock_in": None, "circuit": []}}
     assert causal_recovery(no_heads)["causal_recovery"] == 0.0
+    assert causal_recovery(no_heads)["recovery_knock_in_pooled"] == 0.0
     assert causal_recovery({})["causal_recovery"] is None
 
 

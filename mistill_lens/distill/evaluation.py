@@ -55,6 +55,7 @@ def causal_recovery(measures_by_kind: Mapping[str, dict], kind: str = "near_miss
             "causal_recovery": None,
             "recovery_ablation": None,
             "recovery_knock_in": None,
+            "recovery_knock_in_pooled": None,
             "n_events": 0,
         }
     ablation = measures.get("necessity")
@@ -62,10 +63,16 @@ def causal_recovery(measures_by_kind: Mapping[str, dict], kind: str = "near_miss
     if ablation is None:  # no heads selected: the found set carries nothing
         ablation, knock_in = 0.0, 0.0
     knock_in = 0.0 if knock_in is None or knock_in != knock_in else knock_in  # NaN: no donor pair
+    # the knock-in's gains over its gaps summed across events: no event with a tiny gap can carry
+    # it as one can carry the mean of ratios (None: a characterisation from before it existed)
+    pooled = measures.get("knock_in_pooled")
+    if measures.get("necessity") is None or (pooled is not None and pooled != pooled):
+        pooled = 0.0  # as knock_in: an empty circuit carries nothing, NaN had no donor pair
     return {
         "causal_recovery": (ablation + knock_in) / 2,
         "recovery_ablation": ablation,
         "recovery_knock_in": knock_in,
+        "recovery_knock_in_pooled": pooled,
         "n_events": measures["n_events"],
         "near_miss_circuit": measures.get("circuit", []),
     }

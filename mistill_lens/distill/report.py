@@ -29,7 +29,14 @@ MEDIAN = "causal_recovery_median"
 # Plotted and in the JSON next to METRICS: whether the student's attention at events moved to the
 # teacher's (training KL over the last tenth of steps; logged by both objectives).
 ATTENTION = "attention_loss_tail"
-EXTRA = [MEDIAN, "recovery_ablation", "recovery_knock_in", ATTENTION, "train_time_s"]
+EXTRA = [
+    MEDIAN,
+    "recovery_ablation",
+    "recovery_knock_in",
+    "recovery_knock_in_pooled",
+    ATTENTION,
+    "train_time_s",
+]
 # A student counts in a comparison only where its CoT run can do the task: held-out code_f1 and
 # near-miss accuracy at least this, on at least GATE_MIN_EVAL examples. Below it a cell stays in
 # the tables, marked.

@@ -134,6 +134,9 @@ def knock_in_donors(batch: EventBatch, seed: int = 0) -> Int[Tensor, "event"]:
     return donors
 
 
+GAP_MIN = 1e-6  # logits: a donor gap at or below this has no decision to transfer
+
+
 def knock_in_transfer(
     model: HookedModel,
     batch: EventBatch,
@@ -146,8 +149,30 @@ def knock_in_transfer(
     event position are written into B's run at B's event position:
     (m_A in B knocked-in - m_A in B) / (m_A in A - m_A in B), m_A = logit(A chosen) - logit(A contrast).
     NaN for rows without a donor or where B already prefers A's choice as much as A does."""
+    gain, gap = knock_in_parts(model, batch, heads, donors, clean, batch_size)
+    return transfer_fraction(gain, gap)
+
+
+def transfer_fraction(gain: Tensor, gap: Tensor) -> Tensor:
+    """Each row's knock-in transfer, gain / gap; NaN where the gap is not positive (B already
+    prefers A's choice as much as A does) or the row had no donor."""
+    return torch.where(gap > GAP_MIN, gain / gap, torch.nan)
+
+
+def knock_in_parts(
+    model: HookedModel,
+    batch: EventBatch,
+    heads: Iterable[Head],
+    donors: Int[Tensor, "event"],
+    clean: Tensor | None = None,
+    batch_size: int = 128,
+) -> tuple[Float[Tensor, "event"], Float[Tensor, "event"]]:
+    """The two sides of :func:`knock_in_transfer` per row (NaN without a donor): the gain, m_A in
+    B knocked-in - m_A in B, and the gap, m_A in A - m_A in B. Kept apart so that a summary can
+    pool them (sum of gains / sum of gaps), which a row with a tiny gap cannot blow up."""
     heads = validate_heads(model, heads)
-    transfer = torch.full((len(batch),), torch.nan)
+    gain = torch.full((len(batch),), torch.nan)
+    gap = torch.full((len(batch),), torch.nan)
     rows = (donors >= 0).nonzero().flatten()
     own = clean if clean is not None else clean_margins(model, batch)
     for part in row_chunks(len(rows), batch_size):
@@ -171,9 +196,9 @@ def knock_in_transfer(
             lambda sub: knock_in_hooks(model, heads, values, sub.predict_positions),
             batch_size=len(targets),  # one chunk: `values` holds one source per row of it
         )
-        gap = own[sources] - before
-        transfer[targets] = torch.where(gap > 1e-6, (after - before) / gap, torch.nan)
-    return transfer
+        gain[targets] = after - before
+        gap[targets] = own[sources] - before
+    return gain, gap
 
 
 def coverage(values: Float[Tensor, "event"], example_ids: Sequence[int], threshold: float) -> float:
@@ -192,7 +217,12 @@ class CircuitReport:
     events: list[DecisionEvent]
     necessity: Tensor
     sufficiency: Tensor
-    knock_in: Tensor
+    knock_in_gain: Tensor  # knock-in's two sides (knock_in_parts); knock_in is their ratio
+    knock_in_gap: Tensor
+
+    @property
+    def knock_in(self) -> Tensor:
+        return transfer_fraction(self.knock_in_gain, self.knock_in_gap)
 
     def to_frame(self) -> pd.DataFrame:
         return pd.DataFrame(
@@ -203,6 +233,8 @@ class CircuitReport:
                 "necessity": self.necessity.tolist(),
                 "sufficiency": self.sufficiency.tolist(),
                 "knock_in": self.knock_in.tolist(),
+                "knock_in_gain": self.knock_in_gain.tolist(),
+                "knock_in_gap": self.knock_in_gap.tolist(),
             }
         )
 
@@ -212,7 +244,9 @@ class CircuitReport:
 
 def circuit_measures(events: pd.DataFrame, thresholds: Mapping[str, float]) -> dict:
     """Per kind of a per-event table (:meth:`CircuitReport.to_frame`): the mean of each measure and
-    the fraction of examples at or above its threshold (coverage)."""
+    the fraction of examples at or above its threshold (coverage); and, where the table has
+    knock-in's two sides, ``knock_in_pooled``: the sum of the gains over the sum of the gaps of
+    the rows with a transfer (a mean of per-row ratios is carried by any row whose gap is tiny)."""
     out = {}
     for kind, rows in events.groupby("kind", sort=False):
         out[kind] = {"n_events": len(rows)}
@@ -222,7 +256,16 @@ def circuit_measures(events: pd.DataFrame, thresholds: Mapping[str, float]) -> d
             out[kind].setdefault("coverage", {})[measure] = coverage(
                 values, rows["example_id"].tolist(), thresholds[measure]
             )
+        if "knock_in_gap" in rows:  # tables written before 2026-12-08 lack the two sides
+            out[kind]["knock_in_pooled"] = pooled_transfer(rows.knock_in_gain, rows.knock_in_gap)
     return out
+
+
+def pooled_transfer(gain: pd.Series, gap: pd.Series) -> float:
+    """Sum of gains / sum of gaps over the rows whose transfer is defined (gap > GAP_MIN); NaN
+    when there is none."""
+    defined = gap > GAP_MIN
+    return float(gain[defined].sum() / gap[defined].sum()) if defined.any() else float("nan")
 
 
 def circuit_report(
@@ -240,7 +283,7 @@ def circuit_report(
         batch.events,
         necessity(model, batch, means, heads, clean),
         sufficiency(model, batch, means, heads, clean),
-        knock_in_transfer(model, batch, heads, knock_in_donors(batch, seed), clean),
+        *knock_in_parts(model, batch, heads, knock_in_donors(batch, seed), clean),
     )
 
 

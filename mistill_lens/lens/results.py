@@ -249,7 +249,8 @@ class Characterization:
 
     def measures(self) -> dict[str, dict[str, Any]]:
         """Per kind: necessity, sufficiency and knock-in of the circuit (means over events, None
-        when the circuit is empty), coverage, the kind's event count and circuit."""
+        when the circuit is empty), knock-in pooled over events (sum of gains / sum of gaps),
+        coverage, the kind's event count and circuit."""
         measured = (
             circuit_measures(self.events, self.config.thresholds) if self.events is not None else {}
         )
@@ -257,6 +258,7 @@ class Characterization:
         for kind, n in zip(self.kinds, self.calibration.n_events):
             out[kind] = {
                 **{m: None for m in MEASURES},
+                "knock_in_pooled": None,
                 "coverage": None,
                 "n_events": n,
                 "circuit": [list(h) for h in self.circuits[kind]],
