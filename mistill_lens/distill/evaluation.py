@@ -60,14 +60,13 @@ def causal_recovery(measures_by_kind: Mapping[str, dict], kind: str = "near_miss
         }
     ablation = measures.get("necessity")
     knock_in = measures.get("knock_in")
-    if ablation is None:  # no heads selected: the found set carries nothing
-        ablation, knock_in = 0.0, 0.0
-    knock_in = 0.0 if knock_in is None or knock_in != knock_in else knock_in  # NaN: no donor pair
     # the knock-in's gains over its gaps summed across events: no event with a tiny gap can carry
     # it as one can carry the mean of ratios (None: a characterisation from before it existed)
     pooled = measures.get("knock_in_pooled")
-    if measures.get("necessity") is None or (pooled is not None and pooled != pooled):
-        pooled = 0.0  # as knock_in: an empty circuit carries nothing, NaN had no donor pair
+    if ablation is None:  # no heads selected: the found set carries nothing
+        ablation, knock_in, pooled = 0.0, 0.0, 0.0
+    knock_in = 0.0 if knock_in is None or knock_in != knock_in else knock_in  # NaN: no donor pair
+    pooled = 0.0 if pooled is not None and pooled != pooled else pooled  # NaN, as knock_in
     return {
         "causal_recovery": (ablation + knock_in) / 2,
         "recovery_ablation": ablation,
